@@ -1,0 +1,77 @@
+# sparkops.glm53 — one entry point for users, developers and CI (.ci/run calls `make test`).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+export PATH := $(BIN):$(PATH)
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+export ANSIBLE_COLLECTIONS_PATH := $(CURDIR)/.collections
+DOCKER_BUILD := DOCKER_BUILDKIT=0 docker build
+ENGINE_IMAGE := glm53/engine-cpu:dev
+# The CPU torch wheel for the engine image: the machine's own wheel cache if it has one, else PyTorch's index.
+TORCH_WHEEL := $(firstword $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-cp311-*.whl /opt/wheels/torch-2.13.0+cpu-cp311-*.whl))
+CA_BUNDLE ?= $(firstword $(PIP_CERT) $(wildcard /etc/ssl/certs/ca-certificates.crt))
+
+.PHONY: help venv images engine-image sim-up demo demo-down test lint unit molecule clean
+
+help:
+	@echo "make demo       build the simulated cluster, run site.yml on it, send a chat request"
+	@echo "make demo-down  remove the simulated cluster"
+	@echo "make test       lint + unit + molecule (what CI runs)"
+	@echo "make venv       controller virtualenv in .venv"
+
+venv: $(VENV)/.installed .collections/ansible_collections/sparkops/glm53
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-dev.txt
+	touch $@
+
+# The checkout is the collection; Ansible finds it as sparkops.glm53 through this link.
+.collections/ansible_collections/sparkops/glm53:
+	mkdir -p $(@D)
+	ln -sfn ../../.. $@
+
+build/ca-bundle.crt:
+	mkdir -p build/wheels
+	cp $(CA_BUNDLE) $@
+
+images: build/ca-bundle.crt
+	docker/build-base.sh glm53-sim/base:bookworm
+	$(DOCKER_BUILD) -q -f docker/sim/node.Dockerfile -t glm53-sim/node:latest .
+	$(DOCKER_BUILD) -q -f docker/sim/registry.Dockerfile -t glm53-sim/registry:latest .
+	$(DOCKER_BUILD) -q -f docker/sim/hub.Dockerfile -t glm53-sim/hub:latest .
+	$(MAKE) engine-image
+
+engine-image: build/ca-bundle.crt
+	mkdir -p build/wheels
+	$(if $(TORCH_WHEEL),cp -u $(TORCH_WHEEL) build/wheels/,)
+	$(DOCKER_BUILD) -f docker/Dockerfile.cpu -t $(ENGINE_IMAGE) \
+	  $(if $(TORCH_WHEEL),,--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu) .
+
+sim-up: venv images
+	ansible-playbook playbooks/sim/up.yml
+
+demo: sim-up
+	ansible-playbook -i inventory/sim site.yml
+	$(BIN)/python tests/sim_chat.py --inventory inventory/sim
+
+demo-down: venv
+	ansible-playbook playbooks/sim/down.yml
+
+test: venv lint unit molecule
+
+lint: venv
+	ansible-lint
+	ansible-playbook --syntax-check -i inventory/example site.yml playbooks/*.yml
+
+unit: venv
+	$(BIN)/python -m pytest -q tests/unit overlay/tests
+
+molecule: venv images
+	molecule test --all
+
+clean: demo-down
+	rm -rf build .cache

@@ -1,0 +1,14 @@
+# A simulated DGX Spark: its own sshd (Ansible and head->worker rsync reach it over SSH, as on real
+# hardware) and its own dockerd (rank containers use network_mode host inside it, as on real hardware).
+ARG BASE_IMAGE=glm53-sim/base:bookworm
+FROM ${BASE_IMAGE}
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      docker.io openssh-server openssh-client rsync python3 python3-requests python3-docker \
+      iproute2 procps ca-certificates curl sudo \
+ && rm -rf /var/lib/apt/lists/* \
+ && mkdir -p /run/sshd /root/.ssh /etc/docker \
+ && chmod 700 /root/.ssh \
+ && sed -i 's/^#\?PermitRootLogin.*/PermitRootLogin prohibit-password/' /etc/ssh/sshd_config
+COPY docker/sim/node-entrypoint.sh /usr/local/sbin/node-entrypoint
+ENTRYPOINT ["/usr/local/sbin/node-entrypoint"]

@@ -1,0 +1,21 @@
+# SPDX-License-Identifier: MIT
+"""Filters that address the ranks of a deployment; documentation in rank_refs.yml."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ansible.errors import AnsibleFilterError
+from ansible_collections.sparkops.glm53.plugins.module_utils.cluster import rank_refs
+
+
+def _rank_refs(hosts: Sequence[str], hostvars: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    try:
+        return rank_refs(list(hosts), hostvars)
+    except KeyError as exc:
+        raise AnsibleFilterError(f"rank_refs: a Spark lacks {exc}; run the glm53 settings role first") from exc
+
+
+class FilterModule:
+    def filters(self) -> dict[str, Callable[..., Any]]:
+        return {"rank_refs": _rank_refs}

@@ -1,0 +1,275 @@
+# SPDX-License-Identifier: MIT
+"""The one renderer of the `vllm serve` command line for every rank, and the checks of its settings.
+
+Settings are the role variables without their `glm53_` prefix; every message names the variable as the
+user wrote it. Values may arrive as strings (`-e glm53_port=8888`), so numbers and booleans are coerced.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+SPEC_METHODS = ("dflash", "mtp", "none")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
+# The SM12x sparse-MLA backend only has fp8 kernels; anything else fails when the KV cache is built.
+_GPU_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
+# 8192 crashes on GB10 (REFERENCE: known failure modes); 4096 is the largest value seen working.
+_GPU_MAX_BATCHED_TOKENS = 4096
+GPUS_PER_NODE = 1
+
+_REQUIRED = (
+    "model", "port", "master_port", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
+    "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "spec_method",
+)
+_STRINGS = (
+    "model", "served_model_name", "quantization", "kv_cache_dtype", "spec_method", "draft_model",
+    "tool_call_parser", "reasoning_parser", "attention_backend", "dtype", "host",
+)
+_BOOLS = ("enable_prefix_caching", "skip_mm_profiling", "trust_remote_code", "enforce_eager")
+_TRUE = frozenset({"true", "yes", "on", "1"})
+_FALSE = frozenset({"false", "no", "off", "0"})
+
+
+def var(key: str) -> str:
+    return f"glm53_{key}"
+
+
+def as_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    raise ValueError(f"{value!r} is not an integer")
+
+
+def as_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        return float(value)
+    raise ValueError(f"{value!r} is not a number")
+
+
+def as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{value!r} is not a boolean")
+
+
+def as_str(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    raise ValueError(f"{value!r} is not a string")
+
+
+def _opt_bool(settings: Mapping[str, Any], key: str) -> bool | None:
+    value = settings.get(key)
+    return None if value is None or value == "" else as_bool(value)
+
+
+def _spec_on(settings: Mapping[str, Any]) -> bool:
+    return settings.get("spec_method") in ("dflash", "mtp")
+
+
+def _check(errors: list[str], settings: Mapping[str, Any], key: str, convert: Callable[[Any], Any],
+           ok: Callable[[Any], bool] = lambda _: True, need: str = "") -> Any:
+    """Converted value, or None after recording why it is unusable."""
+    if key not in settings or settings[key] is None:
+        return None
+    try:
+        value = convert(settings[key])
+    except ValueError as exc:
+        errors.append(f"{var(key)}: {exc}")
+        return None
+    if not ok(value):
+        errors.append(f"{var(key)} must be {need} (got {settings[key]!r})")
+        return None
+    return value
+
+
+def validate_settings(settings: Mapping[str, Any], *, num_attention_heads: int = 64) -> list[str]:
+    """Every reason the settings cannot start vLLM, each naming its `glm53_` variable."""
+    errors = [f"{var(k)} is required" for k in _REQUIRED if settings.get(k) in (None, "")]
+    for key in _STRINGS:
+        _check(errors, settings, key, as_str)
+    for key in _BOOLS:
+        if settings.get(key) != "":
+            _check(errors, settings, key, as_bool)
+
+    port = _check(errors, settings, "port", as_int, lambda v: 1 <= v <= 65535, "a port 1..65535")
+    master = _check(errors, settings, "master_port", as_int, lambda v: 1 <= v <= 65535, "a port 1..65535")
+    if port is not None and port == master:
+        errors.append(f"{var('port')} and {var('master_port')} must differ (both are bound on the head)")
+    _check(errors, settings, "max_model_len", as_int, lambda v: v > 0, "> 0")
+    _check(errors, settings, "gpu_memory_utilization", as_float, lambda v: 0 < v <= 1, "in (0, 1]")
+    seqs = _check(errors, settings, "max_num_seqs", as_int, lambda v: v >= 1, ">= 1")
+    batched = _check(errors, settings, "max_num_batched_tokens", as_int, lambda v: v >= 1, ">= 1")
+    if seqs is not None and batched is not None and batched < seqs:
+        errors.append(f"{var('max_num_batched_tokens')} ({batched}) must be >= {var('max_num_seqs')} ({seqs})")
+    _check(errors, settings, "kv_cache_dtype", as_str, lambda v: v in KV_CACHE_DTYPES,
+           "one of " + ", ".join(KV_CACHE_DTYPES))
+    tp = _check(errors, settings, "tensor_parallel_size", as_int,
+                lambda v: v >= 1 and num_attention_heads % v == 0,
+                f"a divisor of the model's {num_attention_heads} attention heads")
+    _check(errors, settings, "pipeline_parallel_size", as_int, lambda v: v >= 1, ">= 1")
+
+    method = _check(errors, settings, "spec_method", as_str, lambda v: v in SPEC_METHODS,
+                    "one of " + ", ".join(SPEC_METHODS))
+    if method in ("dflash", "mtp"):
+        tokens = spec_tokens_key(method)
+        if settings.get(tokens) in (None, ""):
+            errors.append(f"{var(tokens)} is required when {var('spec_method')} is {method}")
+        _check(errors, settings, tokens, as_int, lambda v: v >= 1, ">= 1 when speculative decoding is on")
+    if method == "dflash":
+        if not settings.get("draft_model"):
+            errors.append(f"the draft checkpoint ({var('draft_repo')}) is required when {var('spec_method')} is dflash")
+        # vLLM runs the draft either on one rank or sharded like the target, nothing in between.
+        _check(errors, settings, "draft_tensor_parallel_size", as_int,
+               lambda v: v == 1 or v == tp, f"1 or {var('tensor_parallel_size')}")
+
+    limit = settings.get("limit_mm")
+    if limit is not None and not isinstance(limit, Mapping):
+        errors.append(f"{var('limit_mm')} must be a mapping such as {{image: 4, video: 1}} or empty")
+    extra = settings.get("extra_serve_args")
+    if extra is not None and (isinstance(extra, (str, bytes)) or not isinstance(extra, list)
+                              or not all(isinstance(a, str) for a in extra)):
+        errors.append(f"{var('extra_serve_args')} must be a list of strings (one argv word each)")
+    return errors
+
+
+def settings_warnings(settings: Mapping[str, Any], *, gpu: bool = True) -> list[str]:
+    """Settings that start but are known to fail or hurt later; empty off the GPU."""
+    if not gpu:
+        return []
+    warnings: list[str] = []
+    ignored: list[str] = []
+    batched = _check(ignored, settings, "max_num_batched_tokens", as_int)
+    if batched is not None and batched > _GPU_MAX_BATCHED_TOKENS:
+        warnings.append(f"{var('max_num_batched_tokens')}={batched} is above {_GPU_MAX_BATCHED_TOKENS}; "
+                        "8192 is known to crash the engine on GB10")
+    kv = settings.get("kv_cache_dtype")
+    if kv in KV_CACHE_DTYPES and kv not in _GPU_KV_CACHE_DTYPES:
+        warnings.append(f"{var('kv_cache_dtype')}={kv}: the SM12x sparse-MLA backend has fp8 kernels only")
+    return warnings
+
+
+def _compact_json(value: Mapping[str, Any]) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def spec_tokens_key(method: str) -> str:
+    """The recipe keeps one token count per method (DFLASH_TOKENS, MTP_TOKENS)."""
+    return "dflash_tokens" if method == "dflash" else "mtp_tokens"
+
+
+def speculative_config(settings: Mapping[str, Any]) -> dict[str, Any] | None:
+    method = settings.get("spec_method")
+    if method == "dflash":
+        return {
+            "method": "dflash",
+            "model": as_str(settings["draft_model"]),
+            "num_speculative_tokens": as_int(settings["dflash_tokens"]),
+            "draft_tensor_parallel_size": as_int(settings.get("draft_tensor_parallel_size", 1)),
+        }
+    if method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": as_int(settings["mtp_tokens"])}
+    return None
+
+
+def _engine_args(s: Mapping[str, Any]) -> list[str]:
+    """Flags that shape the model, memory and scheduler: identical on every rank or ranks disagree."""
+    argv = [as_str(s["model"])]
+    if _opt_bool(s, "trust_remote_code"):
+        argv.append("--trust-remote-code")
+    for key in ("dtype", "quantization"):
+        if as_str(s.get(key)):
+            argv += ["--" + key, as_str(s[key])]
+    argv += [
+        "--kv-cache-dtype", as_str(s["kv_cache_dtype"]),
+        "--max-model-len", str(as_int(s["max_model_len"])),
+        "--gpu-memory-utilization", str(as_float(s["gpu_memory_utilization"])),
+        "--max-num-seqs", str(as_int(s["max_num_seqs"])),
+        "--max-num-batched-tokens", str(as_int(s["max_num_batched_tokens"])),
+    ]
+    # vLLM enables prefix caching by default, so false must be said out loud.
+    prefix = _opt_bool(s, "enable_prefix_caching")
+    if prefix is not None:
+        argv.append("--enable-prefix-caching" if prefix else "--no-enable-prefix-caching")
+    if _opt_bool(s, "skip_mm_profiling"):
+        argv.append("--skip-mm-profiling")
+    # An empty mapping means a text-only model: vLLM rejects limits for modalities it does not have.
+    if s.get("limit_mm"):
+        argv += ["--limit-mm-per-prompt", _compact_json(s["limit_mm"])]
+    if as_str(s.get("attention_backend")):
+        argv += ["--attention-backend", as_str(s["attention_backend"])]
+    if _opt_bool(s, "enforce_eager"):
+        argv.append("--enforce-eager")
+    spec = speculative_config(s)
+    if spec is not None:
+        argv += ["--speculative-config", _compact_json(spec)]
+    return argv
+
+
+def _api_args(s: Mapping[str, Any]) -> list[str]:
+    """Flags only the head's API server reads; a headless rank has no API server."""
+    argv = ["--port", str(as_int(s["port"]))]
+    if as_str(s.get("host")):
+        argv += ["--host", as_str(s["host"])]
+    if as_str(s.get("served_model_name")):
+        argv += ["--served-model-name", as_str(s["served_model_name"])]
+    if as_str(s.get("tool_call_parser")):
+        argv += ["--tool-call-parser", as_str(s["tool_call_parser"]), "--enable-auto-tool-choice"]
+    if as_str(s.get("reasoning_parser")):
+        argv += ["--reasoning-parser", as_str(s["reasoning_parser"])]
+    return argv
+
+
+def topology_errors(settings: Mapping[str, Any], *, rank: int, nnodes: int, master_addr: str) -> list[str]:
+    errors: list[str] = []
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        return [f"the number of nodes must be an integer >= 1 (got {nnodes!r})"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < nnodes:
+        errors.append(f"node rank {rank!r} is outside 0..{nnodes - 1} for {nnodes} nodes")
+    if not master_addr:
+        errors.append("the head's fabric address (master_addr) is empty")
+    try:
+        tp = as_int(settings.get("tensor_parallel_size"))
+        pp = as_int(settings.get("pipeline_parallel_size", 1))
+    except ValueError:
+        return errors  # already reported by validate_settings
+    if tp * pp != nnodes * GPUS_PER_NODE:
+        errors.append(f"{var('tensor_parallel_size')} ({tp}) x {var('pipeline_parallel_size')} ({pp}) must equal "
+                      f"the number of GPUs, {nnodes} nodes x {GPUS_PER_NODE} GPU per Spark")
+    return errors
+
+
+def render_serve_argv(settings: Mapping[str, Any], *, rank: int, nnodes: int, master_addr: str,
+                      num_attention_heads: int = 64) -> list[str]:
+    """argv after the `vllm` executable for node `rank`; raises ValueError listing every bad setting."""
+    errors = validate_settings(settings, num_attention_heads=num_attention_heads)
+    errors += topology_errors(settings, rank=rank, nnodes=nnodes, master_addr=master_addr)
+    if errors:
+        raise ValueError("; ".join(errors))
+    pp = as_int(settings.get("pipeline_parallel_size", 1))
+    argv = ["serve"] + _engine_args(settings)
+    argv += ["--tensor-parallel-size", str(as_int(settings["tensor_parallel_size"]))]
+    if pp > 1:
+        argv += ["--pipeline-parallel-size", str(pp)]
+    argv += [
+        "--distributed-executor-backend", "mp",
+        "--nnodes", str(nnodes),
+        "--node-rank", str(rank),
+        "--master-addr", master_addr,
+        "--master-port", str(as_int(settings["master_port"])),
+    ]
+    argv += ["--headless"] if rank >= 1 else _api_args(settings)
+    return argv + list(settings.get("extra_serve_args") or [])

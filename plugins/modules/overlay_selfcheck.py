@@ -1,0 +1,157 @@
+#!/usr/bin/python
+# SPDX-License-Identifier: MIT
+# Copyright: (c) 2026, sparkops
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: overlay_selfcheck
+short_description: Run the GLM-5.3 overlay self-check inside an engine image
+version_added: 0.1.0
+description:
+  - >-
+      Runs C(docker run DOCKER_RUN_ARGS -e ENV IMAGE glm53-overlay selfcheck) on the target (the head)
+      and parses the JSON report it prints,
+      C({"ok": bool, "checks": [{"name", "ok", "detail"}], "versions": {}}).
+  - Fails, naming the first failing check and its detail, when the report is not ok, when any check
+    failed, or when the output holds no such JSON report (then stderr is the evidence).
+  - Text logged before the report (vLLM plugin logs) is ignored; the last JSON object printed counts.
+  - A container name is added when O(docker_run_args) has none, so a run that overruns O(timeout) is
+    removed with C(docker rm -f).
+author:
+  - sparkops
+options:
+  image:
+    description: Image reference to check.
+    type: str
+    required: true
+  command:
+    description: Command run in the image.
+    type: list
+    elements: str
+    default: [glm53-overlay, selfcheck]
+  docker_run_args:
+    description: Arguments placed between C(docker run) and the image.
+    type: list
+    elements: str
+    default: ["--rm", "--network", "none"]
+  env:
+    description: Environment variables for the container; treated as secret (hidden in RV(cmd) and logs).
+    type: dict
+    default: {}
+  timeout:
+    description: Seconds the self-check may run.
+    type: float
+    default: 600
+attributes:
+  check_mode:
+    support: full
+    details: The self-check only reads the image, so it runs in check mode too.
+  diff_mode:
+    support: none
+  idempotent:
+    support: full
+    details: RV(changed) is always false.
+notes:
+  - Needs the C(docker) CLI on the target; uses only the Python standard library.
+"""
+
+EXAMPLES = r"""
+- name: Self-check the engine image before shipping it to the workers
+  sparkops.glm53.overlay_selfcheck:
+    image: "{{ glm53_engine_image }}"
+    env:
+      VLLM_TARGET_DEVICE: cpu
+  register: glm53_selfcheck
+
+- name: Show the versions found in the image
+  ansible.builtin.debug:
+    var: glm53_selfcheck.versions
+"""
+
+RETURN = r"""
+changed:
+  description: Always false.
+  type: bool
+  returned: always
+ok:
+  description: Whether the self-check passed.
+  type: bool
+  returned: when a report was parsed
+checks:
+  description: Each check with its C(name), C(ok) and C(detail).
+  type: list
+  elements: dict
+  returned: when a report was parsed
+  sample: [{"name": "exl3_registered", "ok": true, "detail": "quantization exl3 found"}]
+versions:
+  description: Versions the self-check reports (vLLM, torch, overlay, ...).
+  type: dict
+  returned: when a report was parsed
+  sample: {"vllm": "0.33.0", "glm53_overlay": "0.1.0"}
+rc:
+  description: Exit status of C(docker run).
+  type: int
+  returned: always
+stderr:
+  description: Last 4000 characters of stderr.
+  type: str
+  returned: always
+cmd:
+  description: The docker command run, environment values masked.
+  type: list
+  elements: str
+  returned: always
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.sparkops.glm53.plugins.module_utils.health import subprocess_runner
+from ansible_collections.sparkops.glm53.plugins.module_utils.selfcheck import (
+    DEFAULT_COMMAND,
+    DEFAULT_RUN_ARGS,
+    OUTPUT_LIMIT,
+    container_name_of,
+    docker_run_argv,
+    evaluate,
+    masked_argv,
+)
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            image=dict(type="str", required=True),
+            command=dict(type="list", elements="str", default=list(DEFAULT_COMMAND)),
+            docker_run_args=dict(type="list", elements="str", default=list(DEFAULT_RUN_ARGS)),
+            env=dict(type="dict", default={}, no_log=True),
+            timeout=dict(type="float", default=600),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    argv = docker_run_argv(p["image"], p["command"], p["docker_run_args"], p["env"])
+    result = {"changed": False, "cmd": masked_argv(argv)}
+
+    rc, out, err = subprocess_runner(argv, p["timeout"], False)
+    result.update(rc=rc, stderr=err[-OUTPUT_LIMIT:])
+    if rc == 124:
+        name = container_name_of(argv[2:])
+        if name:
+            subprocess_runner(["docker", "rm", "-f", name], 60, False)
+        module.fail_json(msg="overlay selfcheck did not finish within %ss" % p["timeout"], **result)
+
+    verdict = evaluate(rc, out, err)
+    if verdict.report is not None:
+        result.update(
+            ok=verdict.ok,
+            checks=[check.as_dict() for check in verdict.report.checks],
+            versions=verdict.report.versions,
+        )
+    if not verdict.ok:
+        module.fail_json(msg=verdict.msg, **result)
+    module.exit_json(msg=verdict.msg, **result)
+
+
+if __name__ == "__main__":
+    main()

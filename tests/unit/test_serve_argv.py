@@ -1,0 +1,258 @@
+# SPDX-License-Identifier: MIT
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from ansible_collections.sparkops.glm53.plugins.module_utils.serve_argv import (
+    render_serve_argv,
+    settings_warnings,
+    speculative_config,
+    validate_settings,
+)
+
+MODEL = "/root/.cache/huggingface/hub/models--Mia-AiLab--GLM-5.3-Flash-EXL3-TR3-4bpw/snapshots/abc123"
+DRAFT = "/root/.cache/huggingface/hub/models--incoai--GLM-5.3-Flash-DFlash2/snapshots/def456"
+
+# The production launch of REFERENCE.md, as role variables without the glm53_ prefix.
+PRODUCTION: dict[str, Any] = {
+    "model": MODEL,
+    "served_model_name": "GLM-5.3-Flash-EXL3",
+    "port": 8888,
+    "quantization": "exl3",
+    "kv_cache_dtype": "fp8",
+    "max_model_len": 900000,
+    "gpu_memory_utilization": 0.87,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 1024,
+    "enable_prefix_caching": True,
+    "skip_mm_profiling": True,
+    "limit_mm": {"video": 1, "image": 4},
+    "spec_method": "dflash",
+    "dflash_tokens": 7,
+    "mtp_tokens": 2,
+    "draft_model": DRAFT,
+    "draft_tensor_parallel_size": 1,
+    "tensor_parallel_size": 2,
+    "pipeline_parallel_size": 1,
+    "master_port": 29521,
+    "tool_call_parser": "glm47",
+    "reasoning_parser": "glm45",
+    "attention_backend": "",
+    "trust_remote_code": False,
+    "enforce_eager": False,
+    "dtype": "",
+    "extra_serve_args": [],
+}
+
+ENGINE = [
+    MODEL,
+    "--quantization", "exl3",
+    "--kv-cache-dtype", "fp8",
+    "--max-model-len", "900000",
+    "--gpu-memory-utilization", "0.87",
+    "--max-num-seqs", "4",
+    "--max-num-batched-tokens", "1024",
+    "--enable-prefix-caching",
+    "--skip-mm-profiling",
+    "--limit-mm-per-prompt", '{"image":4,"video":1}',
+    "--speculative-config",
+    '{"draft_tensor_parallel_size":1,"method":"dflash","model":"' + DRAFT + '","num_speculative_tokens":7}',
+]
+
+API_ONLY = ("--port", "--served-model-name", "--tool-call-parser", "--enable-auto-tool-choice",
+            "--reasoning-parser")
+
+
+def settings(**changes: Any) -> dict[str, Any]:
+    return {**PRODUCTION, **changes}
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_head_of_two_sparks_is_the_recipe_command():
+    argv = render_serve_argv(PRODUCTION, rank=0, nnodes=2, master_addr="10.0.0.1")
+    assert argv == ["serve", *ENGINE,
+                    "--tensor-parallel-size", "2",
+                    "--distributed-executor-backend", "mp",
+                    "--nnodes", "2", "--node-rank", "0",
+                    "--master-addr", "10.0.0.1", "--master-port", "29521",
+                    "--port", "8888",
+                    "--served-model-name", "GLM-5.3-Flash-EXL3",
+                    "--tool-call-parser", "glm47", "--enable-auto-tool-choice",
+                    "--reasoning-parser", "glm45"]
+
+
+def test_worker_is_headless_without_api_flags():
+    argv = render_serve_argv(PRODUCTION, rank=1, nnodes=2, master_addr="10.0.0.1")
+    assert argv == ["serve", *ENGINE,
+                    "--tensor-parallel-size", "2",
+                    "--distributed-executor-backend", "mp",
+                    "--nnodes", "2", "--node-rank", "1",
+                    "--master-addr", "10.0.0.1", "--master-port", "29521",
+                    "--headless"]
+
+
+def test_engine_flags_are_identical_on_every_rank_of_four():
+    s = settings(tensor_parallel_size=4)
+    ranks = [render_serve_argv(s, rank=r, nnodes=4, master_addr="10.0.0.1") for r in range(4)]
+    shared = ranks[0][:ranks[0].index("--node-rank")]
+    assert all(a[:len(shared)] == shared for a in ranks)
+    assert {flag(a, "--master-addr") for a in ranks} == {"10.0.0.1"}
+    assert [flag(a, "--node-rank") for a in ranks] == ["0", "1", "2", "3"]
+    assert ["--headless" in a for a in ranks] == [False, True, True, True]
+    assert all(not any(f in a for f in API_ONLY) for a in ranks[1:])
+    assert flag(ranks[3], "--tensor-parallel-size") == "4" and "--pipeline-parallel-size" not in ranks[3]
+
+
+def test_pipeline_parallel_across_four_nodes():
+    argv = render_serve_argv(settings(tensor_parallel_size=2, pipeline_parallel_size=2),
+                             rank=3, nnodes=4, master_addr="10.0.0.1")
+    assert flag(argv, "--tensor-parallel-size") == "2"
+    assert flag(argv, "--pipeline-parallel-size") == "2"
+
+
+def test_mtp_and_none_speculation():
+    mtp = render_serve_argv(settings(spec_method="mtp", mtp_tokens=2, draft_model=""),
+                            rank=0, nnodes=2, master_addr="10.0.0.1")
+    assert flag(mtp, "--speculative-config") == '{"method":"mtp","num_speculative_tokens":2}'
+    none = render_serve_argv(settings(spec_method="none", dflash_tokens=0, draft_model=""),
+                             rank=1, nnodes=2, master_addr="10.0.0.1")
+    assert "--speculative-config" not in none
+
+
+def test_speculative_config_dflash_shape():
+    assert speculative_config(PRODUCTION) == {
+        "method": "dflash", "model": DRAFT, "num_speculative_tokens": 7, "draft_tensor_parallel_size": 1,
+    }
+    assert speculative_config(settings(spec_method="none")) is None
+
+
+def test_optional_flags_are_omitted_when_empty():
+    s = settings(quantization="", served_model_name="", tool_call_parser="", reasoning_parser="",
+                 limit_mm=None, skip_mm_profiling=False, spec_method="none")
+    del s["enable_prefix_caching"]
+    argv = render_serve_argv(s, rank=0, nnodes=2, master_addr="10.0.0.1")
+    for absent in ("--quantization", "--served-model-name", "--tool-call-parser", "--enable-auto-tool-choice",
+                   "--reasoning-parser", "--limit-mm-per-prompt", "--skip-mm-profiling", "--enable-prefix-caching",
+                   "--no-enable-prefix-caching", "--attention-backend", "--dtype", "--trust-remote-code",
+                   "--enforce-eager"):
+        assert absent not in argv
+    assert flag(argv, "--port") == "8888"
+
+
+def test_simulation_settings_and_extra_args_last():
+    s = settings(quantization="exl3", kv_cache_dtype="auto", gpu_memory_utilization="0.2",
+                 enable_prefix_caching=False, attention_backend="CPU_ATTN", trust_remote_code=True,
+                 enforce_eager=True, dtype="bfloat16", port="8888", extra_serve_args=["--block-size", "128"])
+    argv = render_serve_argv(s, rank=1, nnodes=2, master_addr="172.28.0.10")
+    assert argv[1:3] == [MODEL, "--trust-remote-code"]
+    assert flag(argv, "--dtype") == "bfloat16"
+    assert flag(argv, "--gpu-memory-utilization") == "0.2"
+    assert flag(argv, "--attention-backend") == "CPU_ATTN"
+    assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
+    assert argv[-3:] == ["--headless", "--block-size", "128"]
+
+
+def test_strings_from_extra_vars_are_coerced():
+    argv = render_serve_argv(settings(port="8000", master_port="29500", tensor_parallel_size="2",
+                                      enable_prefix_caching="yes", dflash_tokens="5"),
+                             rank=0, nnodes=2, master_addr="10.0.0.1")
+    assert flag(argv, "--port") == "8000" and flag(argv, "--master-port") == "29500"
+    assert "--enable-prefix-caching" in argv
+    assert json.loads(flag(argv, "--speculative-config"))["num_speculative_tokens"] == 5
+
+
+def test_json_flags_are_compact_and_sorted():
+    argv = render_serve_argv(settings(limit_mm={"video": 0, "image": 2}),
+                             rank=0, nnodes=2, master_addr="10.0.0.1")
+    assert flag(argv, "--limit-mm-per-prompt") == '{"image":2,"video":0}'
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"rank": 2, "nnodes": 2}, "node rank 2 is outside 0..1 for 2 nodes"),
+        ({"rank": -1, "nnodes": 2}, "node rank -1 is outside"),
+        ({"rank": 0, "nnodes": 4}, r"glm53_tensor_parallel_size \(2\) x glm53_pipeline_parallel_size \(1\) "
+                                   r"must equal the number of GPUs, 4 nodes"),
+        ({"rank": 0, "nnodes": 0}, "number of nodes must be an integer >= 1"),
+        ({"rank": 0, "nnodes": 2, "master_addr": ""}, "master_addr"),
+    ],
+)
+def test_topology_errors(kw, message):
+    args = {"master_addr": "10.0.0.1", **kw}
+    with pytest.raises(ValueError, match=message):
+        render_serve_argv(PRODUCTION, **args)
+
+
+def test_render_refuses_invalid_settings_naming_every_variable():
+    with pytest.raises(ValueError) as err:
+        render_serve_argv(settings(gpu_memory_utilization=1.5, port=0), rank=0, nnodes=2, master_addr="10.0.0.1")
+    assert "glm53_gpu_memory_utilization must be in (0, 1]" in str(err.value)
+    assert "glm53_port must be a port 1..65535" in str(err.value)
+
+
+def test_production_settings_are_valid():
+    assert validate_settings(PRODUCTION) == []
+    assert settings_warnings(PRODUCTION) == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"gpu_memory_utilization": 0}, "glm53_gpu_memory_utilization must be in (0, 1] (got 0)"),
+        ({"gpu_memory_utilization": "lots"}, "glm53_gpu_memory_utilization: could not convert"),
+        ({"port": 70000}, "glm53_port must be a port 1..65535 (got 70000)"),
+        ({"master_port": "x"}, "glm53_master_port: 'x' is not an integer"),
+        ({"master_port": 8888}, "glm53_port and glm53_master_port must differ"),
+        ({"max_model_len": 0}, "glm53_max_model_len must be > 0 (got 0)"),
+        ({"max_model_len": -5}, "glm53_max_model_len must be > 0 (got -5)"),
+        ({"spec_method": "eagle3"}, "glm53_spec_method must be one of dflash, mtp, none (got 'eagle3')"),
+        ({"kv_cache_dtype": "nvfp4"}, "glm53_kv_cache_dtype must be one of auto, bfloat16, fp8"),
+        ({"tensor_parallel_size": 3}, "glm53_tensor_parallel_size must be a divisor of the model's 64 attention"),
+        ({"dflash_tokens": 0}, "glm53_dflash_tokens must be >= 1 when speculative decoding is on (got 0)"),
+        ({"dflash_tokens": None}, "glm53_dflash_tokens is required when glm53_spec_method is dflash"),
+        ({"draft_model": ""}, "the draft checkpoint (glm53_draft_repo) is required when glm53_spec_method is dflash"),
+        ({"draft_tensor_parallel_size": 3}, "glm53_draft_tensor_parallel_size must be 1 or glm53_tensor_parallel"),
+        ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, "glm53_max_num_batched_tokens (4) must be >= "),
+        ({"enable_prefix_caching": "maybe"}, "glm53_enable_prefix_caching: 'maybe' is not a boolean"),
+        ({"limit_mm": "image=4"}, "glm53_limit_mm must be a mapping"),
+        ({"extra_serve_args": "--foo bar"}, "glm53_extra_serve_args must be a list of strings"),
+        ({"extra_serve_args": ["--foo", 1]}, "glm53_extra_serve_args must be a list of strings"),
+        ({"model": ""}, "glm53_model is required"),
+        ({"served_model_name": 5}, "glm53_served_model_name: 5 is not a string"),
+        ({"port": True}, "glm53_port: a boolean is not a number"),
+    ],
+)
+def test_validate_settings_names_the_variable(changes, message):
+    errors = validate_settings(settings(**changes))
+    assert any(message in e for e in errors), errors
+
+
+def test_missing_required_settings_are_each_named():
+    errors = validate_settings({})
+    assert "glm53_model is required" in errors and "glm53_master_port is required" in errors
+    assert len(errors) == 10
+
+
+def test_spec_tokens_ignored_without_speculation():
+    assert validate_settings(settings(spec_method="none", dflash_tokens=0, draft_model="")) == []
+
+
+def test_head_count_is_a_parameter():
+    assert validate_settings(settings(tensor_parallel_size=2), num_attention_heads=4) == []
+    assert validate_settings(settings(tensor_parallel_size=8), num_attention_heads=4) != []
+
+
+def test_gpu_warnings():
+    warnings = settings_warnings(settings(max_num_batched_tokens=8192, kv_cache_dtype="bfloat16"))
+    assert len(warnings) == 2
+    assert "glm53_max_num_batched_tokens=8192 is above 4096" in warnings[0]
+    assert "glm53_kv_cache_dtype=bfloat16" in warnings[1]
+    assert settings_warnings(settings(max_num_batched_tokens=4096)) == []
+    assert settings_warnings(settings(max_num_batched_tokens=8192), gpu=False) == []
+    assert settings_warnings(settings(max_num_batched_tokens="junk")) == []
