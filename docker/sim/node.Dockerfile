@@ -5,10 +5,13 @@ FROM ${BASE_IMAGE}
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       docker.io openssh-server openssh-client rsync python3 python3-requests python3-docker \
-      iproute2 procps ca-certificates curl sudo \
+      iproute2 procps ca-certificates curl sudo python3-venv python3-pip \
  && rm -rf /var/lib/apt/lists/* \
  && mkdir -p /run/sshd /root/.ssh /etc/docker \
  && chmod 700 /root/.ssh \
  && sed -i 's/^#\?PermitRootLogin.*/PermitRootLogin prohibit-password/' /etc/ssh/sshd_config
+# Trust what the machine building the simulation trusts (TLS-intercepting proxies), like a real site CA.
+COPY build/ca-bundle.crt /usr/local/share/ca-certificates/build-host.crt
+RUN update-ca-certificates >/dev/null
 COPY docker/sim/node-entrypoint.sh /usr/local/sbin/node-entrypoint
 ENTRYPOINT ["/usr/local/sbin/node-entrypoint"]

@@ -9,7 +9,13 @@ from ansible.errors import AnsibleFilterError
 from ansible_collections.sparkops.glm53.plugins.module_utils.image_key import image_layer_key as _key
 
 
-def image_layer_key(image: Any) -> str:
+_REQUIRED = object()
+
+
+def image_layer_key(image: Any, missing: Any = _REQUIRED) -> str:
+    # `missing` lets a caller compare "no image" like any other key instead of failing the task.
+    if missing is not _REQUIRED and not image:
+        return str(missing)
     try:
         return _key(image)
     except ValueError as exc:

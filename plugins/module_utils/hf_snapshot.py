@@ -1,6 +1,6 @@
 # -*- coding: utf-8 -*-
 # SPDX-License-Identifier: MIT
-"""Download a pinned model revision into a Hugging Face cache, completely and resumably.
+"""Download a pinned model revision into a Hugging Face cache, completely and resumably (per file).
 
 Complete means every file of the revision (after allow/ignore patterns) is in the snapshot directory
 with the size the hub lists. The hub is asked once for the file list with sizes (the manifest); only
@@ -219,6 +219,30 @@ class ProgressTracker:
         }
 
 
+def remove_stale_partials(cache_dir: str, repo_id: str) -> int:
+    """Delete `.incomplete` blobs left by a killed run; returns bytes freed.
+
+    huggingface_hub >= 1.x downloads into a per-process `<etag>.<random>.incomplete` file and never
+    resumes another process's partial file, so leftovers only waste disk (up to a shard per stream)
+    and would inflate the progress count. Resumption is per file: finished files are never fetched again.
+    """
+    blobs = os.path.join(repo_cache_dir(cache_dir, repo_id), "blobs")
+    freed = 0
+    try:
+        names = os.listdir(blobs)
+    except OSError:
+        return 0
+    for name in names:
+        if name.endswith(".incomplete"):
+            path = os.path.join(blobs, name)
+            try:
+                freed += os.stat(path).st_size
+                os.unlink(path)
+            except OSError:
+                pass
+    return freed
+
+
 def partial_bytes(cache_dir: str, repo_id: str) -> int:
     """Bytes in huggingface_hub's in-flight `.incomplete` blobs of this repo."""
     blobs = os.path.join(repo_cache_dir(cache_dir, repo_id), "blobs")
@@ -247,6 +271,30 @@ class Hub(Protocol):
         """Fetch one file of commit `sha` into the cache (resumes a partial blob)."""
 
 
+def is_transient(exc: BaseException) -> bool:
+    """Worth another try: connection trouble, 429 or 5xx. Seen with olah: a 500 (its answer to an unknown
+    sha) drops the connection, and the next request on a pooled keep-alive connection gets ECONNRESET."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(status, int):
+        return status == 429 or status >= 500
+    # huggingface_hub 2.x talks through `httpx2`, 1.x through `httpx`: their transport errors carry no response.
+    return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.startswith("httpx")
+
+
+def with_retries(call: Callable[[], Any], tries: int = 4, delay_s: float = 0.5,
+                 sleep: Callable[[float], None] = time.sleep,
+                 before_retry: Callable[[], None] = lambda: None) -> Any:
+    for attempt in range(1, tries + 1):
+        try:
+            return call()
+        except Exception as exc:
+            if attempt == tries or not is_transient(exc):
+                raise
+            before_retry()
+            sleep(delay_s * attempt)
+    raise AssertionError("unreachable")
+
+
 class HuggingFaceHub:
     """The real hub (or a compatible endpoint such as olah) through huggingface_hub."""
 
@@ -266,16 +314,25 @@ class HuggingFaceHub:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return SourceUnavailable(f"{source.repo_id}@{source.revision}: {type(exc).__name__}: {first_line}")
 
+    @staticmethod
+    def _fresh_connections() -> None:
+        # huggingface_hub shares one client; its pool may hold connections the server already dropped.
+        from huggingface_hub.utils import close_session
+
+        close_session()
+
     def fetch_manifest(self, source: SnapshotSource) -> tuple[str, list[ManifestEntry]]:
         from huggingface_hub.hf_api import RepoFile
 
         try:
             # olah answers model_info only with an explicit revision; its `siblings` carry no sizes, so
             # sizes come from the tree listing of the resolved commit (real hub: LFS sizes, not pointers).
-            sha = self.api.model_info(source.repo_id, revision=source.revision).sha
+            sha = with_retries(lambda: self.api.model_info(source.repo_id, revision=source.revision).sha,
+                               before_retry=self._fresh_connections)
             if not sha:
                 raise SourceUnavailable(f"{source.repo_id}@{source.revision}: hub returned no commit sha")
-            tree = self.api.list_repo_tree(source.repo_id, revision=sha, recursive=True)
+            tree = with_retries(lambda: list(self.api.list_repo_tree(source.repo_id, revision=sha, recursive=True)),
+                                before_retry=self._fresh_connections)
             files = [ManifestEntry(item.path, int(item.size)) for item in tree if isinstance(item, RepoFile)]
         except SourceUnavailable:
             raise
@@ -289,9 +346,9 @@ class HuggingFaceHub:
         from huggingface_hub import hf_hub_download
 
         try:
-            hf_hub_download(
+            with_retries(lambda: hf_hub_download(
                 repo_id, path, revision=sha, cache_dir=self.cache_dir, endpoint=self.endpoint, token=self.token
-            )
+            ))
         except Exception as exc:
             raise self._unavailable(SnapshotSource(repo_id, sha), exc) from exc
 
@@ -388,6 +445,7 @@ def download_missing(req: SnapshotRequest, hub: Hub, plan: DownloadPlan,
     snap = snapshot_dir(req.cache_dir, manifest.repo_id, manifest.revision)
     for rel in plan.check.wrong_size:
         discard_bad_copy(snap, rel)
+    remove_stale_partials(req.cache_dir, manifest.repo_id)
     todo = plan.to_fetch
     tracker = ProgressTracker(manifest.total_bytes, len(manifest.files), clock(), plan.check.present_bytes)
     done_bytes = plan.check.present_bytes

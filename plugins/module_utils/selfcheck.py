@@ -59,14 +59,15 @@ def docker_run_argv(
     name: Optional[str] = None,
 ) -> List[str]:
     """``docker run`` for the selfcheck. A container name is added when the caller gave none, so a
-    selfcheck that overruns its timeout can be removed (killing the docker client leaves it running)."""
-    argv = ["docker", "run", *run_args]
+    selfcheck that overruns its timeout can be removed (killing the docker client leaves it running).
+    The command replaces the image's entrypoint: engine images start `vllm` (or `vllm serve`) by default."""
+    argv = ["docker", "run", *run_args, "--entrypoint", command[0]]
     if container_name_of(run_args) is None:
         argv += ["--name", name or "glm53-selfcheck-" + uuid.uuid4().hex[:12]]
     for key in sorted(env or {}):
         argv += ["-e", "%s=%s" % (key, (env or {})[key])]
     argv.append(image)
-    argv += list(command)
+    argv += list(command[1:])
     return argv
 
 

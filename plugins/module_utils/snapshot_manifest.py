@@ -158,3 +158,33 @@ def marker_content(manifest: Manifest) -> dict[str, Any]:
 
 def marker_matches(marker_path: str, manifest: Manifest) -> bool:
     return read_json(marker_path) == marker_content(manifest)
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """What snapshot_verify found and what it did (or, in check mode, would do) about the marker."""
+
+    check: SnapshotCheck
+    marker_action: str  # "write", "remove" or "keep"
+
+    @property
+    def changed(self) -> bool:
+        return self.marker_action != "keep"
+
+
+def decide_marker(check: SnapshotCheck, marker_present: bool, marker_current: bool) -> str:
+    """The marker may only claim a verified copy: written when complete, removed when it would lie."""
+    if check.complete:
+        return "keep" if marker_current else "write"
+    return "remove" if marker_present else "keep"
+
+
+def verify_snapshot(snapshot_path: str, manifest: Manifest, marker_path: str, check_mode: bool) -> VerifyOutcome:
+    check = check_snapshot(snapshot_path, manifest.files)
+    action = decide_marker(check, os.path.lexists(marker_path), marker_matches(marker_path, manifest))
+    if not check_mode:
+        if action == "write":
+            write_json_atomic(marker_path, marker_content(manifest))
+        elif action == "remove":
+            os.unlink(marker_path)
+    return VerifyOutcome(check, action)

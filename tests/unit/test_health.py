@@ -464,7 +464,7 @@ def test_action_plugin_runs_module_in_background_and_returns_its_failure(
     env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(REPO / ".collections"),
                ANSIBLE_ASYNC_DIR=str(tmp_path / "async"),
                ANSIBLE_LOCAL_TEMP=str(tmp_path / "local"), ANSIBLE_REMOTE_TMP=str(tmp_path / "remote"),
-               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.default", ANSIBLE_NOCOLOR="1")
+               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.default", ANSIBLE_NOCOLOR="1", ANSIBLE_CALLBACK_RESULT_FORMAT="json")
     proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
                            "-e", "ansible_python_interpreter=%s" % sys.executable, str(play)],
                           capture_output=True, text=True, env=env, timeout=120, check=False)

@@ -1,0 +1,41 @@
+"""What `register()` installs into vLLM, each piece guarded so a missing vLLM feature only skips it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from glm53_overlay.vllm_compat import MIN_VLLM, find_vllm
+
+# Under the "vllm." namespace so the lines appear in vLLM's own log output.
+_logger = logging.getLogger(f"vllm.{__name__}")
+
+
+def register_exl3_quantization() -> str | None:
+    try:
+        from vllm.model_executor.layers.quantization import register_quantization_config
+
+        from glm53_overlay.exl3.config import QUANT_METHOD, Exl3Config
+    except ImportError as exc:
+        _logger.warning("glm53_overlay: exl3 quantization not registered, this vLLM lacks %s", exc)
+        return None
+    register_quantization_config(QUANT_METHOD)(Exl3Config)
+    return f"quantization:{QUANT_METHOD}"
+
+
+# Each registrar returns the name of what it registered, or None when it skipped (and logged why).
+REGISTRARS: tuple[Callable[[], str | None], ...] = (register_exl3_quantization,)
+
+
+def register_all() -> list[str]:
+    install = find_vllm()
+    if install is None:
+        _logger.warning("glm53_overlay: no vLLM distribution found; nothing registered")
+        return []
+    if not install.supported:
+        _logger.warning(
+            "glm53_overlay: %s %s is older than %s; nothing registered",
+            install.distribution, install.version, ".".join(map(str, MIN_VLLM)),
+        )
+        return []
+    return [name for registrar in REGISTRARS if (name := registrar()) is not None]

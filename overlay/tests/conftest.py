@@ -1,0 +1,23 @@
+"""Vector files for the EXL3 tests: the full set from `<repo>/../shared` when present, and always the
+subset shipped in tests/data (so the tests also run from a bare clone)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from glm53_overlay.exl3.vectors import VectorSet, load_vectors
+
+OVERLAY = Path(__file__).resolve().parent.parent
+FULL_VECTORS = OVERLAY.parent.parent / "shared" / "testdata" / "exl3" / "exl3_kernel_vectors.safetensors"
+SUBSET_VECTORS = OVERLAY / "tests" / "data" / "exl3_vectors_subset.safetensors"
+
+
+@pytest.fixture(scope="session", params=["full", "subset"])
+def vectors(request: pytest.FixtureRequest) -> VectorSet:
+    if request.param == "full":
+        if not FULL_VECTORS.exists():
+            pytest.skip(f"full vectors not found at {FULL_VECTORS}")
+        return load_vectors(FULL_VECTORS)
+    return load_vectors(SUBSET_VECTORS)

@@ -1,0 +1,176 @@
+"""Write a tiny GLM-4.7-Flash-architecture checkpoint (Glm4MoeLiteForCausalLM) made entirely here.
+
+    python -m tools.sim_model.make_tiny_glm OUTDIR [--seed N]
+
+Run from the repository root. The output is a few MB and byte-identical for a given seed: config.json,
+generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json, README.md.
+
+The weights are random except for a planted next-token map: the residual stream carries the current
+token's embedding and lm_head maps it to the next word of a long chain drawn from the training text,
+so greedy decoding writes varied English words (and never picks EOS) while attention and the experts
+still nudge some choices, which keeps wrong kernels visible in the output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from .corpus import TRAINING_TEXT
+from .tiny_glm_config import BLOCK_OUTPUT_GAIN, LM_HEAD_GAIN, TINY_GLM, hf_config
+from .tiny_tokenizer import save_tokenizer, special_token_ids, train_tokenizer
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def word_chain(tokenizer: Tokenizer) -> list[int]:
+    """Distinct tokens of the training text in order of first appearance: the cycle greedy text walks."""
+    seen: dict[int, None] = {}
+    # Line breaks inside paragraphs would glue words together once bare whitespace is dropped.
+    for token_id in tokenizer.encode(" ".join(TRAINING_TEXT.split())).ids:
+        piece = tokenizer.id_to_token(token_id)
+        # Bare whitespace would make the walk print runs of blanks.
+        if piece.strip("ĠĊ") and token_id not in seen:
+            seen[token_id] = None
+    return list(seen)
+
+
+def next_token_map(tokenizer: Tokenizer) -> dict[int, int]:
+    """Planted successor of each token that has one (the rest get weak random logits)."""
+    chain = word_chain(tokenizer)
+    special = special_token_ids(tokenizer)
+    successor = {token: chain[(i + 1) % len(chain)] for i, token in enumerate(chain)}
+    # Thinking on: close the think block at once, so reasoning parsers hand the words to `content`.
+    successor[special["<|assistant|>"]] = special["<think>"]
+    successor[special["<think>"]] = special["</think>"]
+    successor[special["</think>"]] = chain[0]
+    return successor
+
+
+def _linear(gen: torch.Generator, out_features: int, in_features: int, gain: float = 1.0) -> torch.Tensor:
+    return torch.randn(out_features, in_features, generator=gen) * (gain / math.sqrt(in_features))
+
+
+def _mlp(gen: torch.Generator, prefix: str, hidden: int, inter: int) -> dict[str, torch.Tensor]:
+    return {
+        f"{prefix}.gate_proj.weight": _linear(gen, inter, hidden),
+        f"{prefix}.up_proj.weight": _linear(gen, inter, hidden),
+        f"{prefix}.down_proj.weight": _linear(gen, hidden, inter, BLOCK_OUTPUT_GAIN),
+    }
+
+
+def _attention(gen: torch.Generator, prefix: str, shape: dict[str, Any]) -> dict[str, torch.Tensor]:
+    hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
+    qk_head = shape["qk_nope_head_dim"] + shape["qk_rope_head_dim"]
+    tensors: dict[str, torch.Tensor] = {}
+    if shape["q_lora_rank"]:
+        tensors[f"{prefix}.q_a_proj.weight"] = _linear(gen, shape["q_lora_rank"], hidden)
+        tensors[f"{prefix}.q_a_layernorm.weight"] = torch.ones(shape["q_lora_rank"])
+        tensors[f"{prefix}.q_b_proj.weight"] = _linear(gen, heads * qk_head, shape["q_lora_rank"])
+    else:
+        tensors[f"{prefix}.q_proj.weight"] = _linear(gen, heads * qk_head, hidden)
+    kv_rank = shape["kv_lora_rank"]
+    tensors[f"{prefix}.kv_a_proj_with_mqa.weight"] = _linear(gen, kv_rank + shape["qk_rope_head_dim"], hidden)
+    tensors[f"{prefix}.kv_a_layernorm.weight"] = torch.ones(kv_rank)
+    tensors[f"{prefix}.kv_b_proj.weight"] = _linear(
+        gen, heads * (shape["qk_nope_head_dim"] + shape["v_head_dim"]), kv_rank
+    )
+    tensors[f"{prefix}.o_proj.weight"] = _linear(gen, hidden, heads * shape["v_head_dim"], BLOCK_OUTPUT_GAIN)
+    return tensors
+
+
+def _moe(gen: torch.Generator, prefix: str, shape: dict[str, Any]) -> dict[str, torch.Tensor]:
+    hidden, inter, experts = shape["hidden_size"], shape["moe_intermediate_size"], shape["n_routed_experts"]
+    # A sharp router spreads tokens over all experts instead of a favourite pair.
+    tensors = {f"{prefix}.gate.weight": _linear(gen, experts, hidden, 4.0)}
+    tensors[f"{prefix}.gate.e_score_correction_bias"] = torch.zeros(experts)
+    for expert in range(experts):
+        tensors.update(_mlp(gen, f"{prefix}.experts.{expert}", hidden, inter))
+    tensors.update(_mlp(gen, f"{prefix}.shared_experts", hidden, inter * shape["n_shared_experts"]))
+    return tensors
+
+
+def make_weights(shape: dict[str, Any], successor: dict[int, int], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    vocab, hidden = shape["vocab_size"], shape["hidden_size"]
+    embed = torch.randn(vocab, hidden, generator=gen)
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
+    for layer in range(shape["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        tensors[f"{prefix}.input_layernorm.weight"] = torch.ones(hidden)
+        tensors[f"{prefix}.post_attention_layernorm.weight"] = torch.ones(hidden)
+        tensors.update(_attention(gen, f"{prefix}.self_attn", shape))
+        if layer < shape["first_k_dense_replace"]:
+            tensors.update(_mlp(gen, f"{prefix}.mlp", hidden, shape["intermediate_size"]))
+        else:
+            tensors.update(_moe(gen, f"{prefix}.mlp", shape))
+    tensors["model.norm.weight"] = torch.ones(hidden)
+    # Rows without a planted predecessor (EOS among them) stay near zero, below any planted logit.
+    lm_head = torch.randn(vocab, hidden, generator=gen) * 0.01
+    unit = embed / embed.norm(dim=1, keepdim=True)
+    for token, nxt in successor.items():
+        lm_head[nxt] += LM_HEAD_GAIN * unit[token]
+    tensors["lm_head.weight"] = lm_head
+    # Real GLM checkpoints keep the router bias in fp32 and everything else in bf16.
+    return {
+        name: t.float().contiguous() if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16).contiguous()
+        for name, t in tensors.items()
+    }
+
+
+def generation_config(special: dict[str, int]) -> dict[str, Any]:
+    return {
+        "eos_token_id": [special["<|endoftext|>"], special["<|user|>"], special["<|observation|>"]],
+        "pad_token_id": special["<|endoftext|>"],
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_p": 0.95,
+    }
+
+
+MODEL_CARD = """---
+license: mit
+library_name: transformers
+pipeline_tag: text-generation
+---
+# tiny-glm (simulation)
+
+Random weights with a planted word chain, GLM-4.7-Flash architecture at toy size. Made by
+`tools/sim_model/make_tiny_glm.py` (seed {seed}); it knows nothing.
+"""
+
+
+def write_checkpoint(outdir: Path, seed: int = 0, shape: dict[str, Any] | None = None) -> Path:
+    shape = dict(TINY_GLM if shape is None else shape)
+    outdir.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(shape["vocab_size"])
+    special = special_token_ids(tokenizer)
+    save_tokenizer(tokenizer, outdir, shape["max_position_embeddings"])
+    config = hf_config(shape, special)
+    (outdir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (outdir / "generation_config.json").write_text(json.dumps(generation_config(special), indent=2) + "\n")
+    weights = make_weights(shape, next_token_map(tokenizer), seed)
+    save_file(weights, str(outdir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (outdir / "README.md").write_text(MODEL_CARD.format(seed=seed))
+    return outdir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = write_checkpoint(args.outdir, args.seed)
+    total = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    print(f"wrote {path} ({total} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
