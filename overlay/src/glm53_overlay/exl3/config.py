@@ -67,6 +67,10 @@ class Exl3Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, RoutedExperts):
+            from glm53_overlay.exl3 import cuda_moe
+
+            if cuda_moe.cuda_moe_supported():
+                return cuda_moe.make_moe_method(layer.moe_config)
             return Exl3DequantizedMoEMethod(layer.moe_config)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()

@@ -1,0 +1,232 @@
+"""Time the EXL3 CUDA MoE apply next to exllamav3's own MoE paths and a BF16 grouped-GEMM reference.
+
+One GLM-5.3 Flash MoE layer as a TP=2 rank sees it (hidden 4096, 288 experts, top-8, intermediate
+1024, K=4 mcg; random trellises, see overlay/gpu/check_cuda_moe.py). For each token count, every
+path runs over 16 rotating routing/input sets (so consecutive calls touch different experts, not
+L2-resident weights) and is timed with CUDA events: eager calls (median of many, host glue
+included) and, where the path has no host sync, CUDA-graph replays of 16 calls (median / 16).
+
+    PYTHONPATH=overlay/src python3 overlay/benchmarks/bench_moe.py --out overlay/benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+import check_cuda_moe as fx  # noqa: E402
+
+from glm53_overlay.exl3 import cuda_moe  # noqa: E402
+
+TOKENS = (1, 2, 4, 8, 16, 64, 512)
+SETS = 16
+EAGER_REPS = 100
+GRAPH_REPS = 20
+WARMUP = 10
+
+
+class Bf16GroupedMoE:
+    """Dequantized experts in bf16, run through torch._grouped_mm (graph-safe, no host sync)."""
+
+    def __init__(self, dense: dict[str, torch.Tensor], act_limit: float) -> None:
+        # [E, out, in] row-major, passed transposed: the layout grouped_mm wants for its B operand.
+        self.w13 = torch.cat([dense["gate"], dense["up"]], dim=2).transpose(1, 2).contiguous().to(torch.bfloat16)
+        self.w2 = dense["down"].transpose(1, 2).contiguous().to(torch.bfloat16)
+        self.experts = self.w13.shape[0]
+        self.inter = dense["gate"].shape[2]
+        self.act_limit = act_limit
+
+    def apply(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order // top_k
+        counts = torch.zeros(self.experts, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        xs = x.to(torch.bfloat16).index_select(0, rows)
+        gu = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)
+        g, u = gu[:, : self.inter].float(), gu[:, self.inter :].float()
+        a = torch.nn.functional.silu(g)
+        if self.act_limit:
+            a = a.clamp(max=self.act_limit)
+            u = u.clamp(-self.act_limit, self.act_limit)
+        y = torch._grouped_mm((a * u).to(torch.bfloat16), self.w2.transpose(1, 2), offs=offs)
+        out = torch.zeros((tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+        out.index_add_(0, rows, y.float() * w.reshape(-1)[order].float().unsqueeze(1))
+        return out.to(x.dtype)
+
+
+def per_expert_exl3(layer: cuda_moe.Exl3CudaExperts, x, ids, w) -> torch.Tensor:
+    """exllamav3's per-expert path: one exl3_gemm per projection per routed expert (host-synced counts)."""
+    x16 = x.half()
+    counts, token_sorted, weight_sorted = cuda_moe.routing_tables(ids, w, layer.num_experts)
+    out = torch.zeros((x.shape[0], layer.hidden), dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts.tolist()[: layer.num_experts]):
+        if count:
+            rows = token_sorted[start : start + count]
+            y = layer.expert_forward(expert, x16.index_select(0, rows))
+            out.index_add_(0, rows, y * weight_sorted[start : start + count].float().unsqueeze(1))
+        start += count
+    return out.to(x.dtype)
+
+
+def time_eager(fn, sets) -> float:
+    for i in range(WARMUP):
+        fn(*sets[i % len(sets)])
+    times = []
+    for i in range(EAGER_REPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        args = sets[i % len(sets)]
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def time_graph(fn, sets) -> float | None:
+    try:
+        for args in sets:
+            fn(*args)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for args in sets:
+                fn(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(GRAPH_REPS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / len(sets))
+        return statistics.median(times)
+    except Exception as exc:  # a path that cannot be captured is reported, not fatal
+        print(f"  graph capture failed: {type(exc).__name__}: {str(exc)[:200]}")
+        torch.cuda.synchronize()
+        return None
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    layer = fx.make_layer()
+    dense = fx.dense_weights(layer)
+    bf16 = Bf16GroupedMoE(dense, fx.ACT_LIMIT)
+    copy_bw = copy_bandwidth()
+    expert_bytes_exl3 = sum(p.expert_bytes() for p in layer.projections().values())
+    expert_bytes_bf16 = (bf16.w13[0].numel() + bf16.w2[0].numel()) * 2
+    gen = torch.Generator().manual_seed(7)
+    rows = []
+    for tokens in TOKENS:
+        sets = [fx.random_routing(tokens, gen, "cuda") for _ in range(SETS)]
+        distinct = statistics.mean(int(torch.unique(ids).numel()) for _, ids, _ in sets)
+        io_bytes = tokens * fx.HIDDEN * 2 * 2 + tokens * fx.TOP_K * 12
+        x0, ids0, w0 = sets[0]
+        ref = fx.reference_moe(dense, x0.half(), ids0, w0, fx.ACT_LIMIT)
+        paths = {
+            "ours": (layer.apply, True, expert_bytes_exl3),
+            "exl3_per_expert": (lambda x, i, w: per_expert_exl3(layer, x, i, w), False, expert_bytes_exl3),
+            "exl3_moe_fused": (lambda x, i, w: layer.apply_fused(x.half(), i, w).to(x.dtype), tokens <= cuda_moe.FUSED_ROWS, expert_bytes_exl3),
+            "bf16_grouped_mm": (bf16.apply, True, expert_bytes_bf16),
+        }
+        if tokens <= cuda_moe.DECODE_MAX_TOKENS:
+            paths["exl3_moe_coop"] = (lambda x, i, w: layer.apply_decode(x.half(), i, w).to(x.dtype, copy=True), True, expert_bytes_exl3)
+        for name, (fn, graphable, per_expert) in paths.items():
+            try:
+                err = fx.rel_err(fn(x0, ids0, w0), ref)
+                eager_us = time_eager(fn, sets)
+                graph_us = time_graph(fn, sets) if graphable else None
+            except Exception as exc:
+                print(f"{name} T={tokens}: {type(exc).__name__}: {str(exc)[:300]}")
+                rows.append({"path": name, "tokens": tokens, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                torch.cuda.synchronize()
+                continue
+            nbytes = distinct * per_expert + io_bytes
+            best = min(t for t in (eager_us, graph_us) if t is not None)
+            rows.append({
+                "path": name, "tokens": tokens, "eager_us": eager_us, "graph_us": graph_us, "best_us": best,
+                "bytes": nbytes, "distinct_experts": distinct,
+                "implied_GBps": nbytes / (best * 1e-6) / 1e9, "frac_of_copy_bw": nbytes / (best * 1e-6) / copy_bw,
+                "floor_us": nbytes / copy_bw * 1e6, "rel_err_vs_exact": err,
+            })
+            g = f"{graph_us:8.1f}" if graph_us is not None else "     n/a"
+            print(f"T={tokens:<4} {name:<16} eager {eager_us:8.1f} us graph {g} us  {rows[-1]['implied_GBps']:7.0f} GB/s  err {err:.1e}")
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "exllamav3": fx._exllamav3_version(),
+        "shapes": {"hidden": fx.HIDDEN, "experts": fx.EXPERTS, "top_k": fx.TOP_K,
+                   "intermediate_per_rank": fx.INTERMEDIATE, "bits": fx.BITS, "codebook": fx.CODEBOOK,
+                   "act_limit": fx.ACT_LIMIT},
+        "copy_bandwidth_GBps": copy_bw / 1e9,
+        "method": f"CUDA events; eager median of {EAGER_REPS} calls after {WARMUP} warm-up; graph: median of "
+                  f"{GRAPH_REPS} replays of {SETS} captured calls / {SETS}; {SETS} rotating routing sets; "
+                  "bytes = distinct routed experts x packed (or bf16) expert bytes + bf16 x in/out + routing",
+        "rows": rows,
+    }
+    (args.out / "bench_moe.json").write_text(json.dumps(report, indent=2))
+    plot(report, args.out / "bench_moe.png")
+    return 0
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    by_path: dict[str, list[tuple[int, float]]] = {}
+    for r in report["rows"]:
+        if "best_us" in r:
+            by_path.setdefault(r["path"], []).append((r["tokens"], r["best_us"]))
+    for name, pts in by_path.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    floor = [(r["tokens"], r["floor_us"]) for r in report["rows"] if r.get("path") == "ours" and "floor_us" in r]
+    ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="EXL3 bytes / copy bandwidth")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("µs per MoE layer (best of eager / graph)")
+    ax.set_title(f"GLM-5.3 Flash MoE, one TP=2 rank, EXL3 4bpw mcg — {report['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

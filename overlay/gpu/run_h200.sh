@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On a CUDA machine with no network: install carried wheels (.whl/), build or reuse exllamav3's
+# extension, run the correctness check and the benchmark. Results land in $OUT (default ./gpu-out).
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+SITE=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+export PYTHONPATH="$SITE:$PWD/overlay/src" PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16}
+# A carried prebuilt extension (exllamav3_ext.so.gz from an earlier run) skips the ~4 min JIT build.
+if [ -f .whl/exllamav3_ext.so.gz ]; then gunzip -c .whl/exllamav3_ext.so.gz > "$SITE/exllamav3_ext.so"; fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+start=$(date +%s)
+python3 -c "import torch, exllamav3.ext as e; print('exllamav3_ext', e.exllamav3_ext.__file__)" 2>&1 | tail -5 || exit 1
+echo "extension ready in $(( $(date +%s) - start )) s"
+so=$(ls ~/.cache/torch_extensions/*/exllamav3_ext/exllamav3_ext.so 2>/dev/null | head -1)
+[ -n "$so" ] && gzip -c "$so" > "$OUT/exllamav3_ext.so.gz"
+python3 overlay/gpu/check_cuda_moe.py --out "$OUT" 2>&1 | tee "$OUT/check.log"
+python3 overlay/benchmarks/bench_moe.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"

@@ -1,0 +1,495 @@
+"""CUDA MoE apply for EXL3 routed experts: experts stay packed, exllamav3's kernels run them.
+
+Each projection (gate, up, down) keeps its experts' trellis / suh / svh stacked in one tensor, with
+int64 device tables of per-expert pointers, the layout exllamav3's multi-expert kernels read.
+`Exl3CudaExperts.apply` computes, for each token t,
+
+    out[t] = sum_j topk_weights[t, j] * down(act(gate(x[t]), up(x[t])))  for e = topk_ids[t, j]
+
+with act = SiLU(g) * u (exllamav3's `act_limit` clamp when set: SiLU(g) clamped from above, u
+clamped symmetrically). Routed scaling (GLM's routed_scaling_factor) is NOT applied here: the
+caller applies it, as it does for vLLM's unquantized method. Activations run in fp16 (the kernels'
+dtype); bf16 in, bf16 out.
+
+Paths, by token count T:
+- T <= DECODE_MAX_TOKENS: `exl3_moe_coop`, two or three launches, no host sync, fixed scratch:
+  safe to capture in a CUDA graph.
+- DECODE_MAX_TOKENS < T <= FUSED_ROWS: `exl3_moe` over device-built routing tables. An expert
+  gets at most one row per token, so no expert can exceed the fused kernel's row capacity and the
+  counts never leave the device.
+- T > FUSED_ROWS (prefill): one host read of the per-expert counts; experts within the fused
+  capacity run through `exl3_moe`, heavier ones through per-expert `exl3_gemm` calls.
+
+Imports only torch at module import; exllamav3's extension is loaded on first use and its
+absence (or a missing kernel) is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from glm53_overlay.exl3.trellis import TILE, bits_per_weight
+
+# exllamav3's MAX_BSZN: the coop kernels' token bound (scratch holds MAX_BSZN * top_k slots).
+DECODE_MAX_TOKENS = 8
+# exllamav3's CUDA default for the fused kernel's rows per expert (EXL3_MOE_FUSED_ROWS).
+FUSED_ROWS = 128
+COOP_MAX_SLOTS = 256
+HADAMARD_BLOCK = 128
+# Kernel ids shared by exl3_moe (MOE_ACT_SILU) and exl3_moe_coop (MOE_COOP_ACT_SILU).
+ACT_SILU = 0
+REQUIRED_KERNELS = (
+    "exl3_moe_coop",
+    "exl3_moe",
+    "exl3_moe_max_concurrency",
+    "exl3_gemm",
+    "silu_mul",
+)
+PROJECTIONS = ("gate", "up", "down")
+
+
+class Exl3KernelsUnavailable(RuntimeError):
+    """exllamav3's CUDA extension (or one of the kernels this path needs) cannot be used."""
+
+
+def cuda_moe_supported() -> bool:
+    """True when the CUDA path can be chosen: a CUDA device and an exllamav3 install are present."""
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    return any(importlib.util.find_spec(name) is not None for name in ("exllamav3_ext", "exllamav3"))
+
+
+@lru_cache(maxsize=1)
+def load_kernels() -> Any:
+    """exllamav3's extension module: a prebuilt `exllamav3_ext`, else exllamav3's JIT build."""
+    try:
+        if importlib.util.find_spec("exllamav3_ext") is not None:
+            ext = importlib.import_module("exllamav3_ext")
+        else:
+            ext = importlib.import_module("exllamav3.ext").exllamav3_ext
+    except Exception as exc:  # ImportError, or the JIT compiler's own errors
+        raise Exl3KernelsUnavailable(
+            "EXL3 CUDA MoE needs exllamav3's CUDA extension (pip install exllamav3==1.6.5; its first import "
+            f"JIT-builds the kernels, set TORCH_CUDA_ARCH_LIST): {exc}"
+        ) from exc
+    missing = [name for name in REQUIRED_KERNELS if not hasattr(ext, name)]
+    if missing:
+        raise Exl3KernelsUnavailable(f"exllamav3 extension lacks kernels {missing}; exllamav3 1.6.5 has them")
+    return ext
+
+
+@dataclass(frozen=True)
+class PackedProjection:
+    """One projection of every local expert, stacked: trellis [E, k/16, n/16, 16K], suh [E, k], svh [E, n]."""
+
+    trellis: torch.Tensor
+    suh: torch.Tensor
+    svh: torch.Tensor
+    bits: int
+
+    @classmethod
+    def stack(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], device: torch.device | str) -> PackedProjection:
+        if not parts:
+            raise ValueError("no experts to stack")
+        bits = {bits_per_weight(trellis) for trellis, _, _ in parts}
+        shapes = {tuple(trellis.shape) for trellis, _, _ in parts}
+        if len(bits) != 1 or len(shapes) != 1:
+            raise ValueError(f"experts of one projection differ in shape {sorted(shapes)} or bits {sorted(bits)}")
+        trellis = torch.stack([t.to(device=device, dtype=torch.int16) for t, _, _ in parts]).contiguous()
+        suh = torch.stack([s.to(device=device, dtype=torch.float16) for _, s, _ in parts]).contiguous()
+        svh = torch.stack([s.to(device=device, dtype=torch.float16) for _, _, s in parts]).contiguous()
+        projection = cls(trellis, suh, svh, bits.pop())
+        projection.check()
+        return projection
+
+    @property
+    def num_experts(self) -> int:
+        return self.trellis.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.trellis.shape[1] * TILE
+
+    @property
+    def out_features(self) -> int:
+        return self.trellis.shape[2] * TILE
+
+    def check(self) -> None:
+        e, k, n = self.num_experts, self.in_features, self.out_features
+        if k % HADAMARD_BLOCK or n % HADAMARD_BLOCK:
+            raise ValueError(f"EXL3 expert shape [{k}, {n}] is not a multiple of {HADAMARD_BLOCK}")
+        if tuple(self.suh.shape) != (e, k) or tuple(self.svh.shape) != (e, n):
+            raise ValueError(f"suh {tuple(self.suh.shape)} / svh {tuple(self.svh.shape)} do not fit [{e}, {k}, {n}]")
+
+    def pointer_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """int64 device tables of each expert's trellis / suh / svh address."""
+        return tuple(_row_pointers(t) for t in (self.trellis, self.suh, self.svh))  # type: ignore[return-value]
+
+    def expert_bytes(self) -> int:
+        """Bytes one expert's projection occupies (what a kernel must read to use it)."""
+        per = self.trellis[0].numel() * self.trellis.element_size()
+        return per + (self.in_features + self.out_features) * self.suh.element_size()
+
+
+def _row_pointers(stacked: torch.Tensor) -> torch.Tensor:
+    stride = stacked.stride(0) * stacked.element_size()
+    base = stacked.data_ptr()
+    return torch.tensor([base + e * stride for e in range(stacked.shape[0])], dtype=torch.int64, device=stacked.device)
+
+
+def slice_for_rank(
+    trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, projection: str, rank: int, size: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This tensor-parallel rank's share of one expert projection, in exllamav3's [in, out] storage.
+
+    gate/up split their output columns, down its input rows, each `width` wide. The Hadamard
+    rotations are block-diagonal over 128, so a 128-aligned slice is exact.
+    """
+    if size == 1:
+        return trellis, suh, svh
+    if width % HADAMARD_BLOCK:
+        raise ValueError(f"per-rank intermediate {width} is not a multiple of {HADAMARD_BLOCK}: EXL3 cannot be split there")
+    lo, hi = rank * width, (rank + 1) * width
+    if projection == "down":
+        return trellis[lo // TILE : hi // TILE], suh[lo:hi], svh
+    if projection in ("gate", "up"):
+        return trellis[:, lo // TILE : hi // TILE], suh, svh[lo:hi]
+    raise ValueError(f"unknown projection {projection!r}")
+
+
+def routing_tables(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """exl3_moe's routing inputs, built on the device with no host sync.
+
+    Returns (expert_count [E+1] int64, token_sorted [T*k] int64, weight_sorted [T*k] fp16), the
+    assignments grouped by expert in stable order. Ids outside [0, E) count in the last bin.
+    """
+    tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, torch.full_like(flat_ids, num_experts))
+    order = torch.argsort(flat_ids, stable=True)
+    flat_tokens = torch.arange(tokens, device=topk_ids.device).repeat_interleave(top_k)
+    token_sorted = flat_tokens[order]
+    weight_sorted = topk_weights.reshape(-1).to(torch.float16)[order]
+    # scatter_add_, not bincount: CUDA bincount reads the max back to the host.
+    expert_count = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_ids.device)
+    expert_count.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    return expert_count, token_sorted, weight_sorted
+
+
+def coop_counter_len(slots: int, rows: int, intermediate: int, hidden_out: int) -> int:
+    """Length of exl3_moe_coop's int32 counter + run-table scratch (exl3_moe_coop_ctr_len)."""
+    return slots * (intermediate // HADAMARD_BLOCK) + rows * (hidden_out // HADAMARD_BLOCK) + 2 + (slots + 1) + slots
+
+
+def touched_bytes(projections: dict[str, PackedProjection], topk_ids: torch.Tensor, hidden: int) -> int:
+    """Fewest device bytes one apply must move: each routed expert's packed weights once, x in, out out."""
+    distinct = int(torch.unique(topk_ids.reshape(-1)).numel())
+    weights = distinct * sum(p.expert_bytes() for p in projections.values())
+    tokens = topk_ids.shape[0]
+    # bf16 in, bf16 out, ids int64 + weights fp32 per slot
+    return weights + tokens * hidden * 2 * 2 + topk_ids.numel() * (8 + 4)
+
+
+class Exl3CudaExperts:
+    """Packed EXL3 experts of one MoE layer (this rank's share) and the CUDA apply over them."""
+
+    def __init__(
+        self,
+        gate: PackedProjection,
+        up: PackedProjection,
+        down: PackedProjection,
+        *,
+        codebook: str,
+        top_k: int,
+        act_limit: float = 0.0,
+    ) -> None:
+        if codebook not in ("mcg", "mul1"):
+            raise Exl3KernelsUnavailable(f"exllamav3's fused MoE kernels support the mcg and mul1 codebooks, not {codebook!r}")
+        if gate.bits != up.bits:
+            raise ValueError(f"gate ({gate.bits} bits) and up ({up.bits} bits) must share a bit width")
+        if gate.trellis.shape != up.trellis.shape or down.in_features != up.out_features or down.out_features != up.in_features:
+            raise ValueError(
+                f"expert shapes do not chain: gate {tuple(gate.trellis.shape)} up {tuple(up.trellis.shape)} "
+                f"down {tuple(down.trellis.shape)}"
+            )
+        if not 1 <= top_k or DECODE_MAX_TOKENS * top_k > COOP_MAX_SLOTS:
+            raise ValueError(f"top_k {top_k} out of range for exl3_moe_coop")
+        self.gate, self.up, self.down = gate, up, down
+        self.codebook = codebook
+        self.top_k = top_k
+        self.act_limit = float(act_limit)
+        self.num_experts = gate.num_experts
+        self.hidden = gate.in_features
+        self.intermediate = gate.out_features
+        self.device = gate.trellis.device
+        self.ext = load_kernels()
+        self.ptrs = {name: p.pointer_tables() for name, p in self.projections().items()}
+        self._decode = _decode_scratch(self.device, self.hidden, self.intermediate, top_k)
+        self._fused: dict[str, torch.Tensor] | None = None
+
+    def projections(self) -> dict[str, PackedProjection]:
+        return {"gate": self.gate, "up": self.up, "down": self.down}
+
+    @property
+    def mcg(self) -> bool:
+        return self.codebook == "mcg"
+
+    @property
+    def mul1(self) -> bool:
+        return self.codebook == "mul1"
+
+    def apply(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Routed-expert sum for x [T, hidden] (any float dtype); returns x's dtype."""
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x must be [tokens, {self.hidden}], got {tuple(x.shape)}")
+        if topk_ids.shape != (x.shape[0], self.top_k) or topk_weights.shape != topk_ids.shape:
+            raise ValueError(
+                f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} must be [{x.shape[0]}, {self.top_k}]"
+            )
+        x16 = x.to(torch.float16).contiguous()
+        tokens = x.shape[0]
+        if tokens == 0:
+            return torch.zeros_like(x)
+        if tokens <= DECODE_MAX_TOKENS:
+            # A view of shared scratch: always copy out.
+            return self.apply_decode(x16, topk_ids, topk_weights).to(x.dtype, copy=True)
+        return self.apply_fused(x16, topk_ids, topk_weights).to(x.dtype)
+
+    def apply_decode(self, x16: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """exl3_moe_coop for <= DECODE_MAX_TOKENS tokens; fp32 [T, hidden] (a view of shared scratch)."""
+        s = self._decode
+        g, u, d = self.ptrs["gate"], self.ptrs["up"], self.ptrs["down"]
+        self.ext.exl3_moe_coop(
+            x16,
+            topk_ids.to(torch.int64).contiguous(),
+            topk_weights.to(torch.float16).contiguous(),
+            -1,
+            -1,
+            self.hidden,
+            *g,
+            *u,
+            *d,
+            None,
+            None,
+            None,
+            float(self.gate.bits),
+            float(self.up.bits),
+            float(self.down.bits),
+            self.mcg,
+            self.mul1,
+            ACT_SILU,
+            self.act_limit,
+            True,
+            s["had_g"],
+            s["had_u"],
+            s["gu_g"],
+            s["gu_u"],
+            s["act_out"],
+            s["d_out"],
+            s["ctr"],
+            s["out"],
+            None,
+            None,
+        )
+        return s["out"][: x16.shape[0]]
+
+    def apply_fused(self, x16: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """exl3_moe (plus per-expert exl3_gemm for experts above its row capacity); fp32 [T, hidden]."""
+        tokens = x16.shape[0]
+        expert_count, token_sorted, weight_sorted = routing_tables(topk_ids, topk_weights, self.num_experts)
+        out = torch.zeros((tokens, self.hidden), dtype=torch.float32, device=x16.device)
+        if tokens <= FUSED_ROWS:
+            self._run_fused(x16, out, expert_count, token_sorted, weight_sorted, num_active=-1)
+            return out
+        counts = expert_count.tolist()[: self.num_experts]  # the one host sync, prefill only
+        light = sum(1 for c in counts if 0 < c <= FUSED_ROWS)
+        if light:
+            self._run_fused(x16, out, expert_count, token_sorted, weight_sorted, num_active=light)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count > FUSED_ROWS:
+                rows = token_sorted[start : start + count]
+                y = self.expert_forward(expert, x16.index_select(0, rows))
+                out.index_add_(0, rows, y * weight_sorted[start : start + count].float().unsqueeze(1))
+            start += count
+        return out
+
+    def _run_fused(self, x16, out, expert_count, token_sorted, weight_sorted, *, num_active: int) -> None:
+        f = self._fused_scratch()
+        g, u, d = self.ptrs["gate"], self.ptrs["up"], self.ptrs["down"]
+        self.ext.exl3_moe(
+            x16,
+            out,
+            expert_count,
+            token_sorted,
+            weight_sorted,
+            f["state_g"],
+            f["state_u"],
+            f["inter_g"],
+            f["inter_u"],
+            ACT_SILU,
+            float(self.gate.bits),
+            float(self.up.bits),
+            float(self.down.bits),
+            *g,
+            *u,
+            *d,
+            self.mcg,
+            self.mul1,
+            self.mcg,
+            self.mul1,
+            self.mcg,
+            self.mul1,
+            self.act_limit,
+            num_active,
+            None,
+            None,
+            1,
+            FUSED_ROWS,
+            16,
+        )
+
+    def _fused_scratch(self) -> dict[str, torch.Tensor]:
+        if self._fused is None:
+            self._fused = _fused_scratch(self.device, self.hidden, self.intermediate, self.ext)
+        return self._fused
+
+    def expert_forward(self, expert: int, x16: torch.Tensor) -> torch.Tensor:
+        """One expert's MLP on rows x16 [m, hidden] through exl3_gemm; fp32 [m, hidden]."""
+        rows = x16.shape[0]
+        gate = self._gemm(self.gate, expert, x16, torch.float16)
+        up = self._gemm(self.up, expert, x16, torch.float16)
+        act = torch.empty((rows, self.intermediate), dtype=torch.float16, device=x16.device)
+        self.ext.silu_mul(gate, up, act, self.act_limit)
+        return self._gemm(self.down, expert, act, torch.float32)
+
+    def _gemm(self, p: PackedProjection, expert: int, a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        c = torch.empty((a.shape[0], p.out_features), dtype=dtype, device=a.device)
+        a_had = torch.empty_like(a)
+        self.ext.exl3_gemm(a, p.trellis[expert], c, p.suh[expert], a_had, p.svh[expert], -1, self.mcg, self.mul1, 0)
+        return c
+
+
+_SCRATCH: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
+
+
+def _decode_scratch(device: torch.device, hidden: int, intermediate: int, top_k: int) -> dict[str, torch.Tensor]:
+    """exl3_moe_coop scratch, shared by every layer of one shape (layers run one after another)."""
+    key = ("coop", str(device), hidden, intermediate, top_k)
+    if key not in _SCRATCH:
+        slots = DECODE_MAX_TOKENS * top_k
+        kw = {"device": device}
+        _SCRATCH[key] = {
+            "had_g": torch.empty((slots, hidden), dtype=torch.float16, **kw),
+            "had_u": torch.empty((slots, hidden), dtype=torch.float16, **kw),
+            "gu_g": torch.empty((slots, intermediate), dtype=torch.float32, **kw),
+            "gu_u": torch.empty((slots, intermediate), dtype=torch.float32, **kw),
+            "act_out": torch.empty((slots, intermediate), dtype=torch.float16, **kw),
+            "d_out": torch.empty((slots, hidden), dtype=torch.float32, **kw),
+            # The kernels zero each counter after use; they must start at zero once.
+            "ctr": torch.zeros(coop_counter_len(slots, DECODE_MAX_TOKENS, intermediate, hidden), dtype=torch.int32, **kw),
+            "out": torch.empty((DECODE_MAX_TOKENS, hidden), dtype=torch.float32, **kw),
+        }
+    return _SCRATCH[key]
+
+
+def _fused_scratch(device: torch.device, hidden: int, intermediate: int, ext: Any) -> dict[str, torch.Tensor]:
+    key = ("fused", str(device), hidden, intermediate)
+    if key not in _SCRATCH:
+        groups = int(ext.exl3_moe_max_concurrency(torch.device(device).index or 0))
+        kw = {"dtype": torch.float16, "device": device}
+        _SCRATCH[key] = {
+            "state_g": torch.empty((groups, FUSED_ROWS, hidden), **kw),
+            "state_u": torch.empty((groups, FUSED_ROWS, hidden), **kw),
+            "inter_g": torch.empty((groups, FUSED_ROWS, intermediate), **kw),
+            "inter_u": torch.empty((groups, FUSED_ROWS, intermediate), **kw),
+        }
+    return _SCRATCH[key]
+
+
+def experts_from_packed(
+    packed: dict[tuple[int, str], dict[str, torch.Tensor]],
+    local_experts: list[int],
+    *,
+    codebook: str,
+    top_k: int,
+    tp_rank: int,
+    tp_size: int,
+    intermediate_per_rank: int,
+    device: torch.device | str,
+    act_limit: float = 0.0,
+) -> Exl3CudaExperts:
+    """Build a layer's packed experts from the loader's {(expert, w1|w3|w2): {trellis, suh, svh}}."""
+    shards = {"gate": "w1", "up": "w3", "down": "w2"}
+    stacked = {}
+    for name, shard in shards.items():
+        parts = []
+        for expert in local_experts:
+            p = packed[(expert, shard)]
+            parts.append(slice_for_rank(p["trellis"], p["suh"], p["svh"], name, tp_rank, tp_size, intermediate_per_rank))
+        stacked[name] = PackedProjection.stack(parts, device)
+    return Exl3CudaExperts(
+        stacked["gate"], stacked["up"], stacked["down"], codebook=codebook, top_k=top_k, act_limit=act_limit
+    )
+
+
+def make_moe_method(moe_config: Any) -> Any:
+    """The vLLM MoE method for CUDA: loads like the CPU method, then keeps the experts packed."""
+    return _cuda_method_class()(moe_config)
+
+
+@lru_cache(maxsize=1)
+def _cuda_method_class() -> type:
+    from glm53_overlay.exl3.codebook import codebook_from_marker
+    from glm53_overlay.exl3.config import REQUIRED_PARTS, Exl3DequantizedMoEMethod
+
+    class Exl3CudaMoEMethod(Exl3DequantizedMoEMethod):
+        """Collects packed experts while loading (inherited), then runs them through exllamav3's kernels."""
+
+        def process_weights_after_loading(self, layer: Any) -> None:  # type: ignore[override]
+            moe = layer.moe_config
+            if getattr(layer, "expert_map", None) is not None:
+                raise NotImplementedError("EXL3 CUDA MoE: expert parallelism is not supported; use TP")
+            local = [e for e in range(moe.num_experts) if layer._map_global_expert_id_to_local_expert_id(e) != -1]
+            missing = [(e, s) for e in local for s in ("w1", "w3", "w2") if (e, s) not in self._packed]
+            if missing:
+                raise ValueError(f"{layer.layer_name}: EXL3 experts missing from the checkpoint: {missing[:8]}")
+            codebooks = set()
+            for key, parts in self._packed.items():
+                absent = [p for p in REQUIRED_PARTS if p not in parts]
+                if absent:
+                    raise ValueError(f"{layer.layer_name}: expert {key} lacks EXL3 {absent}")
+                codebooks.add(codebook_from_marker(parts.get("mcg"), parts.get("mul1")))
+            if len(codebooks) != 1:
+                raise ValueError(f"{layer.layer_name}: experts mix EXL3 codebooks {sorted(codebooks)}")
+            device = torch.device("cuda", torch.cuda.current_device())
+            self.experts = experts_from_packed(
+                self._packed,
+                local,
+                codebook=codebooks.pop(),
+                top_k=moe.experts_per_token,
+                tp_rank=moe.tp_rank,
+                tp_size=moe.tp_size,
+                intermediate_per_rank=self._unquantized_args[2],
+                device=device,
+                act_limit=float(getattr(layer, "swiglu_limit", None) or 0.0),
+            )
+            self._packed.clear()
+            for stem in ("w13", "w2"):
+                for part in ("trellis", "suh", "svh", "mcg", "mul1"):
+                    delattr(layer, f"{stem}_{part}")
+
+        def get_fused_moe_quant_config(self, layer: Any) -> None:  # type: ignore[override]
+            return None
+
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):  # type: ignore[override]
+            # Shared experts are run by vLLM's MoE runner, not by the quant method.
+            return self.experts.apply(x, topk_ids, topk_weights)
+
+    return Exl3CudaMoEMethod

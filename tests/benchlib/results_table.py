@@ -1,0 +1,33 @@
+"""The terminal summary: one row per phase x concurrency, the numbers the recipe's README quotes."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rich.table import Table
+
+
+def _num(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def results_table(report: Mapping[str, Any]) -> Table:
+    table = Table(title=f"{report['target']['model']} @ {report['target']['base_url']}")
+    for header in ("phase", "conc", "decode med", "decode mean", "aggregate", "TTFT med ms",
+                   "delivered med", "tokens med", "accept", "mean len", "prefix hit", "errors"):
+        table.add_column(header, justify="left" if header == "phase" else "right")
+    for phase in report["phases"]:
+        for level in phase["levels"]:
+            summary = level["summary"]
+            spec = level["spec_decode"] or {}
+            prefix = level["prefix_cache"] or {}
+            ttft = summary["ttft_s"]["median"]
+            table.add_row(
+                phase["name"], str(level["concurrency"]),
+                _num(summary["decode_tok_s"]["median"]), _num(summary["decode_tok_s"]["mean"]),
+                _num(level["aggregate_tok_s"]), _num(None if ttft is None else ttft * 1000, "{:.0f}"),
+                _num(summary["delivered_tok_s"]["median"]), _num(summary["completion_tokens"]["median"], "{:.0f}"),
+                _num(spec.get("acceptance_ratio"), "{:.1%}"), _num(spec.get("mean_acceptance_length"), "{:.2f}"),
+                _num(prefix.get("hit_rate"), "{:.0%}"), str(level["errors"]) if level["errors"] else "",
+            )
+    return table
