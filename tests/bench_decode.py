@@ -64,14 +64,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="comma-separated stream counts (default 1,2,4)")
     parser.add_argument("--phases", type=_phase_list, default=list(PHASES),
                         help=f"comma-separated phases (default {','.join(PHASES)})")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="results folder (default %(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="results folder (default %(default)s)")
     parser.add_argument("--warmup-wait", type=float, default=300.0,
-                        help="seconds to wait for the server to go idle first; 0 skips the wait (default %(default)s)")
-    parser.add_argument("--coherence", action="store_true", help="also send a few probes whose answers must read as text")
+                        help="seconds to wait for the server to go idle first; 0 skips the wait "
+                             "(default %(default)s)")
+    parser.add_argument("--coherence", action="store_true",
+                        help="also send a few probes whose answers must read as text")
     parser.add_argument("--server-info", type=Path,
                         help="JSON with the server's launch settings (serve_argv, ...) to record with the results")
-    parser.add_argument("--poll-interval", type=float, default=1.0, help="seconds between idle polls (default %(default)s)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request (default %(default)s)")
+    parser.add_argument("--poll-interval", type=float, default=1.0,
+                        help="seconds between idle polls (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds allowed per request (default %(default)s)")
     args = parser.parse_args(argv)
     if args.runs < 1 or args.max_tokens < 2:
         parser.error("--runs must be >= 1 and --max-tokens >= 2 (decode speed needs two tokens)")
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "schema": SCHEMA_ID,
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "tool": {"name": "bench_decode", "argv": [str(a) for a in (sys.argv if argv is None else ["bench_decode", *argv])]},
+        "tool": {"name": "bench_decode", "argv": list(sys.argv if argv is None else ["bench_decode", *argv])},
         "target": {"base_url": root, "model": args.model},
         "settings": {
             "runs": args.runs, "max_tokens": args.max_tokens, "concurrency": args.concurrency,

@@ -158,7 +158,7 @@ def main() -> int:
         ref = reference_moe(dense, x.half(), ids, w, ACT_LIMIT)
         err = rel_err(out, ref)
         max_count = int(torch.bincount(ids.flatten(), minlength=EXPERTS).max())
-        path = "exl3_moe_coop" if tokens <= cuda_moe.DECODE_MAX_TOKENS else (
+        path = "exl3_moe_coop" if tokens <= cuda_moe.COOP_CHUNKED_MAX_TOKENS else (
             "exl3_moe" if max_count <= cuda_moe.FUSED_ROWS else "exl3_moe + exl3_gemm")
         results.append({
             "case": name, "tokens": tokens, "path": path, "max_rows_per_expert": max_count,
@@ -166,9 +166,14 @@ def main() -> int:
             "ref_rms": float(ref.pow(2).mean().sqrt()), "out_dtype": str(out.dtype),
             "pass": bool(err <= REL_TOL),
         })
-    graphs = [check_graph(layer, dense, t, gen) for t in (1, 2, 4, 8, 16)]
+    graphs = [check_graph(layer, dense, t, gen) for t in (1, 2, 4, 8, 16, 64)]
     for g in graphs:
-        g["pass"] = all(e <= REL_TOL for e in g["rel_err_vs_reference"]) and max(g["max_abs_diff_vs_eager"]) == 0.0
+        # Coop paths sum slots in a fixed order (replay == eager bit for bit); exl3_moe adds with
+        # atomics, so replay and eager may differ by rounding there.
+        exact = g["tokens"] <= cuda_moe.COOP_CHUNKED_MAX_TOKENS
+        g["replay_must_equal_eager"] = exact
+        g["pass"] = all(e <= REL_TOL for e in g["rel_err_vs_reference"]) and (
+            max(g["max_abs_diff_vs_eager"]) == 0.0 if exact else True)
     ok = all(r["pass"] for r in results) and all(g["pass"] for g in graphs)
     report = {
         "device": torch.cuda.get_device_name(),

@@ -9,7 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from benchlib.prometheus_deltas import Snapshot, parse_metrics, requests_in_flight
@@ -22,7 +22,7 @@ class ServerError(RuntimeError):
 @dataclass(frozen=True)
 class Server:
     base_url: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never in a traceback or a log line
     timeout_s: float = 10.0
 
     def get(self, path: str) -> tuple[int, bytes]:
@@ -70,9 +70,10 @@ def wait_until_idle(scrape: Callable[[], Snapshot | None], timeout_s: float, pol
                     sleep: Callable[[float], None] = time.sleep) -> float | None:
     """Blocks until ``quiet_polls`` scrapes in a row show no running or waiting request.
 
-    ``scrape`` is normally ``Server.metrics``. A freshly launched deployment is still answering the launch canary and other warm-up traffic;
-    measuring over it halves the numbers. Returns the seconds waited, or None when the server exports
-    no scheduler gauges (idle state unknowable). Raises ServerError when it stays busy.
+    ``scrape`` is normally ``Server.metrics``. A freshly launched deployment is still answering the
+    launch canary and other warm-up traffic; measuring over it halves the numbers. Returns the seconds
+    waited, or None when the server exports no scheduler gauges (idle state unknowable). Raises
+    ServerError when it stays busy.
     """
     start = clock()
     quiet = 0

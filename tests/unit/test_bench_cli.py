@@ -67,16 +67,17 @@ class FakeVllm:
             busy = 1 if self.busy_scrapes > 0 else 0
             self.busy_scrapes -= 1
             labels = f'engine="0",model_name="{MODEL}"'
-            lines = [
-                "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} {busy}.0",
-                "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{{{labels}}} 0.0",
-                "# TYPE vllm:prefix_cache_queries_total counter", f"vllm:prefix_cache_queries_total{{{labels}}} {self.queries}.0",
-                "# TYPE vllm:prefix_cache_hits_total counter", f"vllm:prefix_cache_hits_total{{{labels}}} {self.hits}.0",
-                "# TYPE vllm:spec_decode_num_drafts_total counter", f"vllm:spec_decode_num_drafts_total{{{labels}}} {self.drafts}.0",
-                "# TYPE vllm:spec_decode_num_draft_tokens_total counter",
-                f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {self.drafts * 7}.0",
-                "# TYPE vllm:spec_decode_num_accepted_tokens_total counter",
-                f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {self.accepted}.0",
+            values = {
+                "vllm:num_requests_running": ("gauge", busy), "vllm:num_requests_waiting": ("gauge", 0),
+                "vllm:prefix_cache_queries_total": ("counter", self.queries),
+                "vllm:prefix_cache_hits_total": ("counter", self.hits),
+                "vllm:spec_decode_num_drafts_total": ("counter", self.drafts),
+                "vllm:spec_decode_num_draft_tokens_total": ("counter", self.drafts * 7),
+                "vllm:spec_decode_num_accepted_tokens_total": ("counter", self.accepted),
+            }
+            lines = [line for name, (kind, value) in values.items()
+                     for line in (f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}.0")]
+            lines += [
                 "# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter",
                 *(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{p}"}} {v}.0'
                   for p, v in enumerate(self.per_pos)),

@@ -14,7 +14,9 @@ dtype); bf16 in, bf16 out.
 Paths, by token count T:
 - T <= DECODE_MAX_TOKENS: `exl3_moe_coop`, two or three launches, no host sync, fixed scratch:
   safe to capture in a CUDA graph.
-- DECODE_MAX_TOKENS < T <= FUSED_ROWS: `exl3_moe` over device-built routing tables. An expert
+- DECODE_MAX_TOKENS < T <= COOP_CHUNKED_MAX_TOKENS: the coop kernels on chunks of
+  DECODE_MAX_TOKENS tokens (still no host sync).
+- COOP_CHUNKED_MAX_TOKENS < T <= FUSED_ROWS: `exl3_moe` over device-built routing tables. An expert
   gets at most one row per token, so no expert can exceed the fused kernel's row capacity and the
   counts never leave the device.
 - T > FUSED_ROWS (prefill): one host read of the per-expert counts; experts within the fused
@@ -38,6 +40,9 @@ from glm53_overlay.exl3.trellis import TILE, bits_per_weight
 
 # exllamav3's MAX_BSZN: the coop kernels' token bound (scratch holds MAX_BSZN * top_k slots).
 DECODE_MAX_TOKENS = 8
+# Up to here, coop calls on chunks of DECODE_MAX_TOKENS beat one exl3_moe call (H200, 2026-11-30:
+# 2 x 376 us against 987 us at 16 tokens; at 64 tokens exl3_moe wins, 2142 against ~3000 us).
+COOP_CHUNKED_MAX_TOKENS = 16
 # exllamav3's CUDA default for the fused kernel's rows per expert (EXL3_MOE_FUSED_ROWS).
 FUSED_ROWS = 128
 COOP_MAX_SLOTS = 256
@@ -256,9 +261,14 @@ class Exl3CudaExperts:
         tokens = x.shape[0]
         if tokens == 0:
             return torch.zeros_like(x)
-        if tokens <= DECODE_MAX_TOKENS:
-            # A view of shared scratch: always copy out.
-            return self.apply_decode(x16, topk_ids, topk_weights).to(x.dtype, copy=True)
+        if tokens <= COOP_CHUNKED_MAX_TOKENS:
+            # apply_decode returns a view of shared scratch: each chunk is copied out before the next.
+            chunks = [
+                self.apply_decode(x16[i : i + DECODE_MAX_TOKENS], topk_ids[i : i + DECODE_MAX_TOKENS],
+                                  topk_weights[i : i + DECODE_MAX_TOKENS]).to(x.dtype, copy=True)
+                for i in range(0, tokens, DECODE_MAX_TOKENS)
+            ]
+            return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         return self.apply_fused(x16, topk_ids, topk_weights).to(x.dtype)
 
     def apply_decode(self, x16: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
