@@ -78,7 +78,8 @@ lint: venv
 	ansible-playbook --syntax-check -i inventory/example site.yml playbooks/*.yml
 
 unit: venv
-	$(BIN)/python -m pytest -q tests/unit overlay/tests
+	$(BIN)/python -m pytest -q tests/unit tests/integration
+	cd overlay && $(BIN)/python -m pytest -q tests
 
 molecule: venv images
 	molecule test --all

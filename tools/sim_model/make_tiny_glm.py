@@ -1,6 +1,6 @@
 """Write a tiny GLM-4.7-Flash-architecture checkpoint (Glm4MoeLiteForCausalLM) made entirely here.
 
-    python -m tools.sim_model.make_tiny_glm OUTDIR [--seed N]
+    python -m tools.sim_model.make_tiny_glm OUTDIR [--seed N] [--nope]
 
 Run from the repository root. The output is a few MB and byte-identical for a given seed: config.json,
 generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json, README.md.
@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from .corpus import TRAINING_TEXT
-from .tiny_glm_config import BLOCK_OUTPUT_GAIN, LM_HEAD_GAIN, TINY_GLM, hf_config
+from .tiny_glm_config import BLOCK_OUTPUT_GAIN, LM_HEAD_GAIN, TINY_GLM, hf_config, nope_variant
 from .tiny_tokenizer import save_tokenizer, special_token_ids, train_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -165,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nope", action="store_true", help="MLA without RoPE (qk_rope_head_dim 0), like GLM-5.3 Flash")
     args = parser.parse_args(argv)
-    path = write_checkpoint(args.outdir, args.seed)
+    path = write_checkpoint(args.outdir, args.seed, nope_variant(TINY_GLM) if args.nope else None)
     total = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     print(f"wrote {path} ({total} bytes)")
     return 0

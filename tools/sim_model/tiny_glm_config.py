@@ -32,6 +32,17 @@ TINY_GLM: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
 }
 
+
+
+def nope_variant(shape: dict[str, Any]) -> dict[str, Any]:
+    """`shape` with MLA's RoPE part removed (qk_rope_head_dim 0), as in GLM-5.3 Flash's NoPE MLA.
+
+    kv_lora_rank stays 512: the overlay pads the missing rope part back to 64 zeros so vLLM's 576-wide
+    MLA kernels run; the default model keeps rope 64 until that path is the one the cluster serves.
+    """
+    return {**shape, "qk_rope_head_dim": 0}
+
+
 # How strongly attention and MLP blocks may move the residual stream away from the current token's
 # embedding. At 1.5 greedy text follows the planted word chain about 9 times in 10 (measured with
 # check_tiny_glm); the other choices are made by attention and the experts, so a wrong kernel shows.

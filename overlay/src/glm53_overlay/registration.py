@@ -38,8 +38,20 @@ def register_ablation_hook() -> str | None:
     return f"ablation:{settings.method}"
 
 
+def register_nope_mla_padding() -> str | None:
+    # vLLM's MLA kernels are 512 + 64 wide; GLM-5.3 Flash's MLA has no rope part (see glm53_overlay.nope).
+    try:
+        from glm53_overlay.nope.patch import install_nope_padding
+    except ImportError as exc:
+        _logger.warning("glm53_overlay: NoPE MLA padding not installed, this vLLM lacks %s", exc)
+        return None
+    return install_nope_padding()
+
+
 # Each registrar returns the name of what it registered, or None when it skipped (and logged why).
-REGISTRARS: tuple[Callable[[], str | None], ...] = (register_exl3_quantization, register_ablation_hook)
+REGISTRARS: tuple[Callable[[], str | None], ...] = (
+    register_exl3_quantization, register_ablation_hook, register_nope_mla_padding,
+)
 
 
 def register_all() -> list[str]:
