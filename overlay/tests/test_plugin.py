@@ -26,7 +26,7 @@ def test_register_is_idempotent_and_registers_exl3() -> None:
 
     first = register()
     assert register() is first
-    assert first == ["quantization:exl3"]
+    assert first == ["quantization:exl3", "nope-mla:pad"]  # ablation registers only when enabled
     assert QUANTIZATION_METHODS.count("exl3") == 1
     assert get_quantization_config("exl3").__name__ == "Exl3Config"
 

@@ -1,27 +1,15 @@
 # SPDX-License-Identifier: MIT
 # Copyright: (c) 2026, sparkops
-"""Controller side of ``sparkops.glm53.vllm_health``: run the module in the background on the head and
-show its progress (elapsed, phase, newest log line of the head container) while the launch takes up
-to an hour, instead of a silent task. Check mode, user-requested ``async`` and connections with
-their own async support fall back to running the module plainly."""
+"""Controller side of ``sparkops.glm53.vllm_health``: progress (elapsed, phase, newest log line of the
+head container) while the launch takes up to an hour."""
 from __future__ import annotations
 
-import base64
-import json
-import secrets
-import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
-from ansible.plugins.action import ActionBase
-from ansible.utils.display import Display
+from ansible_collections.sparkops.glm53.plugins.plugin_utils.progress_action import ProgressActionBase
 
-display = Display()
-
-STATUS_EVERY_S = 5.0
-DISPLAY_EVERY_S = 20.0
 # async_wrapper's own limit: the module's timeout plus room for warmup, canary and slow SSH.
 ASYNC_MARGIN_S = 900
-ASYNC_KEYS = ("ansible_job_id", "started", "finished", "results_file", "stdout_lines", "stderr_lines")
 
 
 def progress_line(record: Dict[str, Any], host: str) -> str:
@@ -30,79 +18,12 @@ def progress_line(record: Dict[str, Any], host: str) -> str:
     return line + (" | " + str(last)[:160] if last else "")
 
 
-class ActionModule(ActionBase):
-    _supports_check_mode = True
-    _supports_async = True
+class ActionModule(ProgressActionBase):
+    always_unchanged = True
 
-    def run(self, tmp: Any = None, task_vars: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-        result = super().run(tmp, task_vars)
-        del tmp
-        task_vars = task_vars or {}
-        if self._task.check_mode or self._task.async_val or self._connection.has_native_async:
-            wrap = bool(self._task.async_val) and not self._connection.has_native_async
-            result.update(self._execute_module(task_vars=task_vars, wrap_async=wrap))
-            if not wrap:
-                self._remove_tmp_path(self._connection._shell.tmpdir)
-            return result
+    def progress_line(self, record: Dict[str, Any], host: str) -> str:
+        return progress_line(record, host)
 
-        args = dict(self._task.args)
-        own_progress = not args.get("progress_file")
-        if own_progress:
-            args["progress_file"] = "/tmp/.sparkops-vllm-health-%s.json" % secrets.token_hex(6)
-        limit = float(args.get("timeout", 3600)) + float(args.get("request_timeout", 600)) * (
+    def time_limit(self, args: Dict[str, Any]) -> float:
+        return float(args.get("timeout", 3600)) + float(args.get("request_timeout", 600)) * (
             int(args.get("warmup_requests", 1)) + 1) + ASYNC_MARGIN_S
-        host = task_vars.get("inventory_hostname", "?")
-
-        self._task.async_val = int(limit)
-        try:
-            started = self._execute_module(module_args=args, task_vars=task_vars, wrap_async=True)
-        finally:
-            self._task.async_val = 0
-        if started.get("failed") or "ansible_job_id" not in started:
-            result.update(started)
-            return result
-        jid = started["ansible_job_id"]
-        async_dir = self._remote_expand_user(self.get_shell_option("async_dir", default="~/.ansible_async"))
-
-        final = self._wait(jid, async_dir, args["progress_file"], host, task_vars, limit)
-        self._execute_module(module_name="ansible.legacy.async_status", task_vars=task_vars,
-                             module_args={"jid": jid, "mode": "cleanup", "_async_dir": async_dir})
-        if own_progress:
-            self._execute_module(module_name="ansible.legacy.file", task_vars=task_vars,
-                                 module_args={"path": args["progress_file"], "state": "absent"})
-        self._remove_tmp_path(self._connection._shell.tmpdir)
-        for key in ASYNC_KEYS:
-            final.pop(key, None)
-        final["changed"] = False
-        result.update(final)
-        return result
-
-    def _wait(self, jid: str, async_dir: str, progress_file: str, host: str, task_vars: Dict[str, Any],
-              limit: float) -> Dict[str, Any]:
-        start = time.monotonic()
-        next_display = start + DISPLAY_EVERY_S
-        while True:
-            status = self._execute_module(module_name="ansible.legacy.async_status", task_vars=task_vars,
-                                          module_args={"jid": jid, "mode": "status", "_async_dir": async_dir})
-            if status.get("finished"):
-                return status
-            now = time.monotonic()
-            if now - start > limit + 60:
-                return {"failed": True, "msg": "vllm_health job %s did not finish within %ss" % (jid, limit)}
-            if now >= next_display:
-                next_display = now + DISPLAY_EVERY_S
-                record = self._read_progress(progress_file, task_vars)
-                if record is not None:
-                    display.display(progress_line(record, host))
-            time.sleep(STATUS_EVERY_S)
-
-    def _read_progress(self, path: str, task_vars: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-        slurped = self._execute_module(module_name="ansible.legacy.slurp", task_vars=task_vars,
-                                       module_args={"src": path})
-        if slurped.get("failed") or "content" not in slurped:
-            return None
-        try:
-            record = json.loads(base64.b64decode(slurped["content"]))
-        except (ValueError, TypeError):
-            return None
-        return record if isinstance(record, dict) else None
