@@ -219,6 +219,24 @@ class ProgressTracker:
         }
 
 
+def _incomplete_blobs(cache_dir: str, repo_id: str) -> list[tuple[str, int]]:
+    """(path, size) of huggingface_hub's `.incomplete` blobs of this repo; vanished files are skipped."""
+    blobs = os.path.join(repo_cache_dir(cache_dir, repo_id), "blobs")
+    try:
+        names = os.listdir(blobs)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name.endswith(".incomplete"):
+            path = os.path.join(blobs, name)
+            try:
+                found.append((path, os.stat(path).st_size))
+            except OSError:
+                pass
+    return found
+
+
 def remove_stale_partials(cache_dir: str, repo_id: str) -> int:
     """Delete `.incomplete` blobs left by a killed run; returns bytes freed.
 
@@ -226,38 +244,19 @@ def remove_stale_partials(cache_dir: str, repo_id: str) -> int:
     resumes another process's partial file, so leftovers only waste disk (up to a shard per stream)
     and would inflate the progress count. Resumption is per file: finished files are never fetched again.
     """
-    blobs = os.path.join(repo_cache_dir(cache_dir, repo_id), "blobs")
     freed = 0
-    try:
-        names = os.listdir(blobs)
-    except OSError:
-        return 0
-    for name in names:
-        if name.endswith(".incomplete"):
-            path = os.path.join(blobs, name)
-            try:
-                freed += os.stat(path).st_size
-                os.unlink(path)
-            except OSError:
-                pass
+    for path, size in _incomplete_blobs(cache_dir, repo_id):
+        try:
+            os.unlink(path)
+            freed += size
+        except OSError:
+            pass
     return freed
 
 
 def partial_bytes(cache_dir: str, repo_id: str) -> int:
     """Bytes in huggingface_hub's in-flight `.incomplete` blobs of this repo."""
-    blobs = os.path.join(repo_cache_dir(cache_dir, repo_id), "blobs")
-    total = 0
-    try:
-        names = os.listdir(blobs)
-    except OSError:
-        return 0
-    for name in names:
-        if name.endswith(".incomplete"):
-            try:
-                total += os.stat(os.path.join(blobs, name)).st_size
-            except OSError:
-                pass
-    return total
+    return sum(size for _, size in _incomplete_blobs(cache_dir, repo_id))
 
 
 # ---------------------------------------------------------------- the hub
