@@ -89,6 +89,17 @@ def test_every_k_decodes_to_a_unit_scale_weight(k_bits: int, codebook: str) -> N
     assert 0.7 < float(w.float().std()) < 1.4
 
 
+@pytest.mark.parametrize("k_bits", [1.5, 2.5, 3.5])
+def test_half_integer_k_decodes_with_mul1_only(k_bits: float) -> None:
+    generator = torch.Generator().manual_seed(int(k_bits * 2))
+    trellis = torch.randint(-32768, 32768, (8, 8, int(16 * k_bits)), generator=generator).to(torch.int16)
+    ones = torch.ones(128, dtype=torch.float16)
+    w = dequantize(trellis, ones, ones, codebook="mul1")
+    assert w.shape == (128, 128) and 0.7 < float(w.float().std()) < 1.4
+    with pytest.raises(ValueError, match="mul1"):
+        dequantize(trellis, ones, ones, codebook="mcg")
+
+
 def test_mismatched_scales_are_refused() -> None:
     trellis = torch.zeros(8, 8, 32, dtype=torch.int16)
     with pytest.raises(ValueError, match="scales"):

@@ -96,7 +96,7 @@ class PackedProjection:
     trellis: torch.Tensor
     suh: torch.Tensor
     svh: torch.Tensor
-    bits: int
+    bits: int | float
 
     @classmethod
     def stack(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], device: torch.device | str) -> PackedProjection:
@@ -106,6 +106,9 @@ class PackedProjection:
         shapes = {tuple(trellis.shape) for trellis, _, _ in parts}
         if len(bits) != 1 or len(shapes) != 1:
             raise ValueError(f"experts of one projection differ in shape {sorted(shapes)} or bits {sorted(bits)}")
+        if not float(next(iter(bits))).is_integer():
+            # The MoE kernels this path calls are instantiated for integer K only.
+            raise ValueError(f"half-integer EXL3 experts (K={bits.pop()}) are not supported by the CUDA MoE path")
         trellis = torch.stack([t.to(device=device, dtype=torch.int16) for t, _, _ in parts]).contiguous()
         suh = torch.stack([s.to(device=device, dtype=torch.float16) for _, s, _ in parts]).contiguous()
         svh = torch.stack([s.to(device=device, dtype=torch.float16) for _, _, s in parts]).contiguous()

@@ -29,6 +29,9 @@ def reconstruct_rotated(trellis: torch.Tensor, *, codebook: Codebook) -> torch.T
     """Ŵ: the decoded weights in the rotated basis, fp16 [k, n] (exllamav3's `ext.reconstruct`)."""
     if codebook not in CODEBOOKS:
         raise ValueError(f"unknown EXL3 codebook {codebook!r}; expected one of {CODEBOOKS}")
+    k_bits = bits_per_weight(trellis)
+    if not float(k_bits).is_integer() and codebook != "mul1":
+        raise ValueError(f"half-integer EXL3 rate K={k_bits} needs the mul1 codebook, not {codebook!r}")
     states = unpack_states(trellis)
     values = decode_lut(codebook).to(trellis.device)[states.to(torch.int64) & 0xFFFF]
     return states_to_tiles(values)

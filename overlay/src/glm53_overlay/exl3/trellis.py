@@ -2,8 +2,10 @@
 
 Each 16x16 tile is a ring of 256*K bits, stored as 16*K int16 words whose pairs are swapped inside
 each 32-bit word, so reading the words as little-endian uint32 gives an MSB-first bitstream. The
-state of position t is the 16 bits ending at bit (t + 1) * K, wrapping around the ring, so each
-position adds K fresh bits to the previous position's state.
+state of position t is the 16 bits ending where position t's fresh bits end, wrapping around the ring.
+Integer K: every position adds K bits. Half-integer K = KA + 0.5 (exllamav3's `frac` layout, mul1
+codebook only): positions alternate KA and KA + 1 fresh bits (odd positions get the extra bit, mask
+0xAAAA), so 16 positions take 16*KA + 8 bits and a tile is 16*KA + 8 int16 words.
 """
 
 from __future__ import annotations
@@ -16,26 +18,42 @@ TILE = 16
 TILE_POSITIONS = TILE * TILE
 STATE_BITS = 16
 SUPPORTED_BITS = range(1, 9)
+# Half-integer rates exllamav3 instantiates: KA + 0.5 for KA in 1..7 (1.5 .. 7.5).
+SUPPORTED_HALF_BITS = tuple(ka + 0.5 for ka in range(1, 8))
+_HALF_BIT_MASK = 0xAAAA
 
 
-def bits_per_weight(trellis: torch.Tensor) -> int:
-    """K from a trellis shaped [k/16, n/16, 16*K]; half-bit layouts (16*K+8) are not supported."""
+def bits_per_weight(trellis: torch.Tensor) -> float:
+    """K from a trellis shaped [k/16, n/16, 16*K]: an integer 1..8 or a half-integer 1.5..7.5."""
     if trellis.dim() != 3:
         raise ValueError(f"EXL3 trellis must be 3-D [k/16, n/16, 16*K], got shape {tuple(trellis.shape)}")
     words = trellis.shape[-1]
-    k_bits, rest = divmod(words, TILE)
-    if rest or k_bits not in SUPPORTED_BITS:
-        raise ValueError(f"EXL3 trellis last dim {words} is not 16*K for an integer K in 1..8")
-    return k_bits
+    k_bits = words / TILE
+    if k_bits not in SUPPORTED_BITS and k_bits not in SUPPORTED_HALF_BITS:
+        raise ValueError(
+            f"EXL3 trellis last dim {words} is not 16*K for K in 1..8 or a half-integer K in 1.5..7.5"
+        )
+    return int(k_bits) if k_bits.is_integer() else k_bits
 
 
-@lru_cache(maxsize=len(SUPPORTED_BITS))
-def _state_gather_plan(k_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def position_ends(k_bits: float) -> torch.Tensor:
+    """Ring bit where each of a tile's 256 positions ends (exllamav3's S(i)), int64 [256]."""
+    ka = int(k_bits)
+    fresh = torch.full((TILE,), ka, dtype=torch.int64)
+    if not float(k_bits).is_integer():
+        fresh += torch.tensor([(_HALF_BIT_MASK >> i) & 1 for i in range(TILE)])
+    per_group = int(fresh.sum())
+    group = torch.arange(TILE_POSITIONS) // TILE
+    return group * per_group + fresh.cumsum(0).repeat(TILE_POSITIONS // TILE)
+
+
+@lru_cache(maxsize=len(SUPPORTED_BITS) + len(SUPPORTED_HALF_BITS))
+def _state_gather_plan(k_bits: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each position: the 32-bit word holding its first bit, its last bit, and the right shift."""
-    ring_bits = TILE_POSITIONS * k_bits
+    ring_bits = int(TILE_POSITIONS * k_bits)
     ring_words = ring_bits // 32
     # Offset by one full ring so the first positions, which wrap to the end, stay non-negative.
-    end = (torch.arange(TILE_POSITIONS) + 1) * k_bits + ring_bits
+    end = position_ends(k_bits) + ring_bits
     start = end - STATE_BITS
     first_word = start // 32
     last_word = (end - 1) // 32

@@ -20,7 +20,7 @@ from glm53_overlay.exl3.reference import dequantize, matmul, reconstruct_rotated
 from glm53_overlay.exl3.trellis import unpack_states
 
 PACKAGED_VECTORS = "exl3_selfcheck_vectors.safetensors"
-_ENTRY = re.compile(r"^(3inst|mcg|mul1)_K(\d+)_trellis$")
+_ENTRY = re.compile(r"^(3inst|mcg|mul1)_K(\d+(?:\.5)?)_trellis$")
 
 # Tolerances, and why:
 # - LUT, states, W_hat: integer/bit manipulation plus one fp16 rounding per value -> bit exact.
@@ -38,7 +38,7 @@ Y_MAX_ABS_ULPS_OF_MAX = 2
 class VectorEntry:
     name: str
     codebook: Codebook
-    bits: int
+    bits: int | float
     tensors: dict[str, torch.Tensor]
 
     def get(self, part: str) -> torch.Tensor | None:
@@ -69,7 +69,8 @@ def load_vectors(path: Path) -> VectorSet:
             continue
         name = key.removesuffix("_trellis")
         parts = {k.removeprefix(name + "_"): v for k, v in tensors.items() if k.startswith(name + "_")}
-        entries.append(VectorEntry(name, match.group(1), int(match.group(2)), parts))  # type: ignore[arg-type]
+        bits = float(match.group(2))
+        entries.append(VectorEntry(name, match.group(1), int(bits) if bits.is_integer() else bits, parts))  # type: ignore[arg-type]
     luts = {k.removesuffix("_lut"): v for k, v in tensors.items() if k.endswith("_lut")}
     return VectorSet(tensors["x"], luts, int(metadata.get("lut_stride", "1")), entries)
 
