@@ -26,7 +26,10 @@ def test_register_is_idempotent_and_registers_exl3() -> None:
 
     first = register()
     assert register() is first
-    assert first == ["quantization:exl3", "nope-mla:pad"]  # ablation registers only when enabled
+    # ablation registers only when enabled; the spec glue lists the pieces this vLLM lacks
+    assert first[:2] == ["quantization:exl3", "nope-mla:pad"]
+    assert first[2].startswith("spec:glm-aux-hidden-states+dflash-draft-defaults")
+    assert len(first) == 3
     assert QUANTIZATION_METHODS.count("exl3") == 1
     assert get_quantization_config("exl3").__name__ == "Exl3Config"
 
@@ -55,5 +58,11 @@ def test_selfcheck_cli_prints_json_and_exits_zero() -> None:
         "vllm_importable",
         "exl3_quantization_registered",
         "exl3_reference_vectors",
+        "exl3_cuda_kernels",
+        "exl3_gemm_k4_mcg",
+        "exl3_moe_apply",
+        "exl3_moe_cuda_graph",
     ]
+    # Without a GPU the kernel checks report themselves skipped, never silently passed.
+    assert [check["skipped"] for check in report["checks"]] == [False] * 4 + [True] * 4
     assert report["versions"]["vllm"]

@@ -48,9 +48,17 @@ def register_nope_mla_padding() -> str | None:
     return install_nope_padding()
 
 
+def register_spec_decode_glue() -> str | None:
+    # GLM glue for vLLM's DFlash2 drafter, only the pieces this vLLM lacks (see glm53_overlay.spec).
+    from glm53_overlay.spec import install_spec_glue
+
+    installed = install_spec_glue()
+    return f"spec:{'+'.join(installed)}" if installed else None
+
+
 # Each registrar returns the name of what it registered, or None when it skipped (and logged why).
 REGISTRARS: tuple[Callable[[], str | None], ...] = (
-    register_exl3_quantization, register_ablation_hook, register_nope_mla_padding,
+    register_exl3_quantization, register_ablation_hook, register_nope_mla_padding, register_spec_decode_glue,
 )
 
 

@@ -1,0 +1,55 @@
+"""GLM-specific glue for vLLM's own DFlash2 drafter; each piece is installed only where vLLM lacks it.
+
+- glm_aux_hidden: EAGLE3 aux hidden states for Glm4MoeLiteForCausalLM (GLM-5.3's class has them).
+- draft_defaults: draft KV dtype `auto` next to an fp8 target; DFlash2 drafts non-causal in a block.
+- candidate_walk: DFlash2's candidate walk on the V1 runner when there is no Triton (CPU simulation).
+
+Everything is patched lazily (registry strings, post-import hooks), so register() stays cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from glm53_overlay.vllm_compat import find_vllm
+
+_logger = logging.getLogger(f"vllm.{__name__}")
+
+# The patch points (EngineArgs.create_speculative_config, VllmConfig._get_v1_model_runner_unsupported_features,
+# DFlashProposer._sample_draft_tokens, glm4_moe_lite's module layout) were read in these releases.
+SUPPORTED_VLLM = {(0, 32), (0, 33)}
+GLM_AUX_ARCHITECTURE = "Glm4MoeLiteForCausalLM"
+
+
+def _triton_available() -> bool:
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
+def install_spec_glue() -> list[str]:
+    """Install what this vLLM needs; returns the names of the installed pieces (empty if none)."""
+    install = find_vllm()
+    if install is None or install.release not in SUPPORTED_VLLM:
+        _logger.warning("glm53-spec: nothing installed (vLLM %s not in %s)",
+                        install.version if install else "missing", sorted(SUPPORTED_VLLM))
+        return []
+    from vllm import ModelRegistry
+
+    from glm53_overlay.spec.candidate_walk import (
+        allow_candidate_drafts_on_v1, patch_dflash_proposer, patch_logits_processor,
+    )
+    from glm53_overlay.spec.draft_defaults import patch_engine_args
+    from glm53_overlay.spec.on_import import when_imported
+
+    installed = ["glm-aux-hidden-states", "dflash-draft-defaults"]
+    # A string registration: the module is imported only when a model of that architecture loads, and
+    # resolves to vLLM's own class where that already supports EAGLE3.
+    ModelRegistry.register_model(GLM_AUX_ARCHITECTURE, f"glm53_overlay.spec.glm_aux_hidden:{GLM_AUX_ARCHITECTURE}")
+    when_imported("vllm.engine.arg_utils", lambda module: patch_engine_args(module.EngineArgs))
+    if not _triton_available():
+        when_imported("vllm.config.vllm", lambda module: allow_candidate_drafts_on_v1(module.VllmConfig))
+        when_imported("vllm.v1.spec_decode.dflash", patch_dflash_proposer)
+        when_imported("vllm.model_executor.layers.logits_processor", patch_logits_processor)
+        installed.append("dflash2-v1-candidate-walk")
+    return installed
