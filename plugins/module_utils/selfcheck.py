@@ -2,7 +2,8 @@
 # Copyright: (c) 2026, sparkops
 """Run and judge ``glm53-overlay selfcheck`` inside an engine image (``overlay_selfcheck`` module).
 
-The CLI prints one JSON document ``{"ok": bool, "checks": [{"name", "ok", "detail"}], "versions": {}}``.
+The CLI prints one JSON document ``{"ok": bool, "checks": [{"name", "ok", "detail", "skipped"}], "versions": {}}``;
+a check that does not apply on the machine (GPU checks without a GPU) reports ``skipped: true``.
 vLLM and its plugins may log to stdout before it, so the parser takes the last JSON object in the output.
 """
 from __future__ import annotations
@@ -26,9 +27,10 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
+    skipped: bool = False
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+        return {"name": self.name, "ok": self.ok, "detail": self.detail, "skipped": self.skipped}
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,8 @@ def parse_report(text: str) -> Report:
             raise SelfcheckError("selfcheck check #%d lacks 'name' or 'ok'" % i)
         detail = raw.get("detail", "")
         checks.append(Check(str(raw["name"]), _as_bool(raw["ok"], "check %r ok" % raw["name"]),
-                            detail if isinstance(detail, str) else json.dumps(detail)))
+                            detail if isinstance(detail, str) else json.dumps(detail),
+                            _as_bool(raw.get("skipped", False), "check %r skipped" % raw["name"])))
     versions = data.get("versions", {})
     if not isinstance(versions, dict):
         raise SelfcheckError("selfcheck 'versions' must be an object")
@@ -139,10 +142,11 @@ class Verdict:
     report: Optional[Report] = None
 
 
-def evaluate(rc: int, stdout: str, stderr: str) -> Verdict:
+def evaluate(rc: int, stdout: str, stderr: str, must_run: Sequence[str] = ()) -> Verdict:
     """Judge a finished ``docker run``: the report decides; without a report, the exit status and
     stderr are the evidence. A report claiming ok while a check failed, or ok with a non-zero exit,
-    is not trusted."""
+    is not trusted. Checks named in ``must_run`` (the GPU checks of a GPU image) may not be skipped
+    or missing."""
     try:
         report = parse_report(stdout)
     except SelfcheckError as exc:
@@ -156,4 +160,12 @@ def evaluate(rc: int, stdout: str, stderr: str) -> Verdict:
     if rc != 0:
         return Verdict(False, "overlay selfcheck reported ok but exited %d: %s" % (rc, stderr.strip()[-OUTPUT_LIMIT:]),
                        report)
+    ran = {check.name: check for check in report.checks}
+    for name in must_run:
+        if name not in ran:
+            return Verdict(False, "overlay selfcheck has no check %r (overlay too old for this collection?)" % name,
+                           report)
+        if ran[name].skipped:
+            return Verdict(False, "overlay selfcheck skipped %s, which must run here: %s" % (name, ran[name].detail),
+                           report)
     return Verdict(True, "overlay selfcheck passed (%d checks)" % len(report.checks), report)

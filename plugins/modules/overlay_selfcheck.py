@@ -12,9 +12,10 @@ description:
   - >-
       Runs C(docker run DOCKER_RUN_ARGS -e ENV IMAGE glm53-overlay selfcheck) on the target (the head)
       and parses the JSON report it prints,
-      C({"ok": bool, "checks": [{"name", "ok", "detail"}], "versions": {}}).
+      C({"ok": bool, "checks": [{"name", "ok", "detail", "skipped"}], "versions": {}}).
   - Fails, naming the first failing check and its detail, when the report is not ok, when any check
-    failed, or when the output holds no such JSON report (then stderr is the evidence).
+    failed, when a check named in O(must_run) was skipped or is missing, or when the output holds no
+    such JSON report (then stderr is the evidence).
   - Text logged before the report (vLLM plugin logs) is ignored; the last JSON object printed counts.
   - A container name is added when O(docker_run_args) has none, so a run that overruns O(timeout) is
     removed with C(docker rm -f).
@@ -43,6 +44,13 @@ options:
     description: Seconds the self-check may run.
     type: float
     default: 600
+  must_run:
+    description:
+      - Checks that may not report themselves skipped, e.g. the EXL3 GPU checks of an image meant for
+        GPUs (they skip when the container sees no GPU).
+    type: list
+    elements: str
+    default: []
 attributes:
   check_mode:
     support: full
@@ -64,6 +72,12 @@ EXAMPLES = r"""
       VLLM_TARGET_DEVICE: cpu
   register: glm53_selfcheck
 
+- name: Self-check a GPU image on the GPU, requiring its kernel checks
+  sparkops.glm53.overlay_selfcheck:
+    image: "{{ glm53_engine_image }}"
+    docker_run_args: [--rm, --network, none, --gpus, all]
+    must_run: [exl3_cuda_kernels, exl3_gemm_k4_mcg, exl3_moe_apply, exl3_moe_cuda_graph]
+
 - name: Show the versions found in the image
   ansible.builtin.debug:
     var: glm53_selfcheck.versions
@@ -79,11 +93,12 @@ ok:
   type: bool
   returned: when a report was parsed
 checks:
-  description: Each check with its C(name), C(ok) and C(detail).
+  description: Each check with its C(name), C(ok), C(detail) and C(skipped).
   type: list
   elements: dict
   returned: when a report was parsed
-  sample: [{"name": "exl3_registered", "ok": true, "detail": "quantization exl3 found"}]
+  sample: [{"name": "exl3_quantization_registered", "ok": true, "skipped": false,
+            "detail": "exl3 -> glm53_overlay.exl3.config.Exl3Config"}]
 versions:
   description: Versions the self-check reports (vLLM, torch, overlay, ...).
   type: dict
@@ -126,6 +141,7 @@ def main() -> None:
             docker_run_args=dict(type="list", elements="str", default=list(DEFAULT_RUN_ARGS)),
             env=dict(type="dict", default={}, no_log=True),
             timeout=dict(type="float", default=600),
+            must_run=dict(type="list", elements="str", default=[]),
         ),
         supports_check_mode=True,
     )
@@ -141,7 +157,7 @@ def main() -> None:
             subprocess_runner(["docker", "rm", "-f", name], 60, False)
         module.fail_json(msg="overlay selfcheck did not finish within %ss" % p["timeout"], **result)
 
-    verdict = evaluate(rc, out, err)
+    verdict = evaluate(rc, out, err, p["must_run"])
     if verdict.report is not None:
         result.update(
             ok=verdict.ok,

@@ -86,6 +86,17 @@ def test_evaluate_distrusts_inconsistent_reports() -> None:
     assert "exited 3" in sc.evaluate(3, json.dumps(report(True, a=True)), "segfault").msg
 
 
+def test_evaluate_requires_must_run_checks_to_have_run() -> None:
+    text = json.dumps(report(a=True, gpu=True) | {"checks": [
+        {"name": "a", "ok": True, "detail": "fine"},
+        {"name": "gpu", "ok": True, "detail": "skipped: no CUDA device visible", "skipped": True}]})
+    assert sc.evaluate(0, text, "").ok
+    verdict = sc.evaluate(0, text, "", must_run=["gpu"])
+    assert not verdict.ok and verdict.msg == "overlay selfcheck skipped gpu, which must run here: skipped: no CUDA device visible"
+    assert "has no check 'kernels'" in sc.evaluate(0, text, "", must_run=["kernels"]).msg
+    assert verdict.report is not None and verdict.report.checks[1].as_dict()["skipped"] is True
+
+
 def test_evaluate_unparsable_output_shows_stderr() -> None:
     verdict = sc.evaluate(125, "", "docker: Error response from daemon: pull access denied\n")
     assert not verdict.ok and verdict.report is None

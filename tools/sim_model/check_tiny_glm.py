@@ -2,6 +2,7 @@
 
     python -m tools.sim_model.check_tiny_glm MODEL_DIR [--tokens N]
 
+MODEL_DIR is a BF16 checkpoint (`make_tiny_glm --bf16`, or the `--twin` of the EXL3 one).
 Prints the rendered prompt, the reply with thinking off and on, and how often the reply followed the
 planted word chain (1.0 would mean attention and experts never mattered). Exits non-zero when the reply
 is empty, starts with EOS, or is a short loop.
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .hf_reference import nope_rotary
     from .make_tiny_glm import next_token_map
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, enable_thinking=thinking, return_tensors="pt", return_dict=True
         )["input_ids"]
-        out = model.generate(ids, max_new_tokens=args.tokens, do_sample=False)
+        with nope_rotary():
+            out = model.generate(ids, max_new_tokens=args.tokens, do_sample=False)
         new = out[0, ids.shape[1]:].tolist()
         context = ids[0, -1:].tolist() + new
         followed = sum(successor.get(a) == b for a, b in zip(context, new)) / max(len(new), 1)

@@ -1,9 +1,11 @@
-"""Write a tiny GLM-4.7-Flash-architecture checkpoint (Glm4MoeLiteForCausalLM) made entirely here.
+"""Write a tiny GLM checkpoint (Glm4MoeLiteForCausalLM, NoPE MLA, EXL3 MLPs) made entirely here.
 
-    python -m tools.sim_model.make_tiny_glm OUTDIR [--seed N] [--nope]
+    python -m tools.sim_model.make_tiny_glm OUTDIR [--seed N] [--twin TWIN_DIR | --bf16]
 
 Run from the repository root. The output is a few MB and byte-identical for a given seed: config.json,
-generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json, README.md.
+generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json, README.md, and for the
+EXL3 checkpoint quantization_config.json. `--twin` also writes the exact BF16 twin (the EXL3 linears
+decoded); `--bf16` writes only the BF16 model the EXL3 one is derived from.
 
 The weights are random except for a planted next-token map: the residual stream carries the current
 token's embedding and lm_head maps it to the next word of a long chain drawn from the training text,
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from .corpus import TRAINING_TEXT
-from .tiny_glm_config import BLOCK_OUTPUT_GAIN, LM_HEAD_GAIN, TINY_GLM, hf_config, nope_variant
+from glm53_overlay.exl3.writer import quantize_checkpoint
+
+from .tiny_glm_config import BLOCK_OUTPUT_GAIN, EXL3_BITS, EXL3_CODEBOOK, LM_HEAD_GAIN, TINY_GLM, hf_config
 from .tiny_tokenizer import save_tokenizer, special_token_ids, train_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -146,7 +151,7 @@ Random weights with a planted word chain, GLM-4.7-Flash architecture at toy size
 """
 
 
-def write_checkpoint(outdir: Path, seed: int = 0, shape: dict[str, Any] | None = None) -> Path:
+def write_bf16_checkpoint(outdir: Path, seed: int = 0, shape: dict[str, Any] | None = None) -> Path:
     shape = dict(TINY_GLM if shape is None else shape)
     outdir.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(shape["vocab_size"])
@@ -161,13 +166,28 @@ def write_checkpoint(outdir: Path, seed: int = 0, shape: dict[str, Any] | None =
     return outdir
 
 
+def write_checkpoint(outdir: Path, seed: int = 0, shape: dict[str, Any] | None = None,
+                     twin: Path | None = None) -> Path:
+    """The simulated cluster's model: EXL3 MLP linears (random valid encodings at the BF16 weights' scale)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        source = write_bf16_checkpoint(Path(scratch) / "bf16", seed, shape)
+        quantize_checkpoint(source, outdir, twin or Path(scratch) / "twin", bits=EXL3_BITS,
+                            codebook=EXL3_CODEBOOK, seed=seed)
+    return outdir
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--nope", action="store_true", help="MLA without RoPE (qk_rope_head_dim 0), like GLM-5.3 Flash")
+    variant = parser.add_mutually_exclusive_group()
+    variant.add_argument("--twin", type=Path, help="also write the EXL3 model's exact BF16 twin here")
+    variant.add_argument("--bf16", action="store_true", help="write the BF16 model instead of the EXL3 one")
     args = parser.parse_args(argv)
-    path = write_checkpoint(args.outdir, args.seed, nope_variant(TINY_GLM) if args.nope else None)
+    if args.bf16:
+        path = write_bf16_checkpoint(args.outdir, args.seed)
+    else:
+        path = write_checkpoint(args.outdir, args.seed, twin=args.twin)
     total = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     print(f"wrote {path} ({total} bytes)")
     return 0

@@ -1,14 +1,12 @@
-"""The one place that knows the tiny checkpoint's shape.
-
-Later work switches `qk_rope_head_dim` to 0 (NoPE, like GLM-5.3 Flash) and quantizes the routed experts
-to EXL3 by changing this table, not the writer.
-"""
+"""The one place that knows the tiny checkpoint's shape: GLM-5.3 Flash's NoPE MLA (qk_rope_head_dim 0,
+kv_lora_rank 512) in the GLM-4.7-Flash model class, with EXL3 MLP linears (see EXL3_LINEARS)."""
 from __future__ import annotations
 
 from typing import Any
 
 # GLM-4.7-Flash architecture (Glm4MoeLiteForCausalLM) at toy size. kv_lora_rank stays at the real 512
-# because vLLM's MLA backends (CPU included) only accept a 512-wide latent (+64 rope = 576).
+# because vLLM's MLA backends (CPU included) only accept a 512-wide latent; with no rope part (NoPE,
+# as in GLM-5.3 Flash) the overlay pads the missing 64 rope dims with zeros.
 TINY_GLM: dict[str, Any] = {
     "vocab_size": 1024,
     "hidden_size": 128,
@@ -20,7 +18,7 @@ TINY_GLM: dict[str, Any] = {
     "q_lora_rank": 64,
     "kv_lora_rank": 512,
     "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 64,
+    "qk_rope_head_dim": 0,
     "v_head_dim": 32,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
@@ -32,15 +30,10 @@ TINY_GLM: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
 }
 
-
-
-def nope_variant(shape: dict[str, Any]) -> dict[str, Any]:
-    """`shape` with MLA's RoPE part removed (qk_rope_head_dim 0), as in GLM-5.3 Flash's NoPE MLA.
-
-    kv_lora_rank stays 512: the overlay pads the missing rope part back to 64 zeros so vLLM's 576-wide
-    MLA kernels run; the default model keeps rope 64 until that path is the one the cluster serves.
-    """
-    return {**shape, "qk_rope_head_dim": 0}
+# EXL3 like exllamav3 writes GLM MoE checkpoints: 4 bits per weight, mcg codebook, on the routed experts,
+# the shared experts and the dense MLP (vLLM's fused-MoE and linear paths of the overlay).
+EXL3_BITS = 4
+EXL3_CODEBOOK = "mcg"
 
 
 # How strongly attention and MLP blocks may move the residual stream away from the current token's

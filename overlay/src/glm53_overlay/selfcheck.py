@@ -18,6 +18,11 @@ class CheckResult:
     name: str
     ok: bool
     detail: str
+    skipped: bool = False
+
+
+class CheckSkipped(Exception):
+    """The check does not apply on this machine (e.g. GPU checks without a GPU); the reason says why."""
 
 
 def check_entry_point() -> tuple[bool, str]:
@@ -61,11 +66,72 @@ def check_exl3_reference_vectors() -> tuple[bool, str]:
     return not failures, "; ".join(failures) or f"matches exllamav3 kernel vectors ({names}, LUTs)"
 
 
+def _require_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CheckSkipped("no CUDA device visible (CPU image, or the container was started without GPUs)")
+
+
+def check_exl3_cuda_kernels() -> tuple[bool, str]:
+    _require_cuda()
+    from glm53_overlay.exl3 import cuda_moe
+
+    ext = cuda_moe.load_kernels()
+    return True, f"{ext.__name__} with {', '.join(cuda_moe.REQUIRED_KERNELS)}"
+
+
+def check_exl3_gemm_k4_mcg() -> tuple[bool, str]:
+    _require_cuda()
+    from glm53_overlay.exl3 import gpu_checks
+
+    err = gpu_checks.gemm_k4_mcg_rel_err()
+    return err <= gpu_checks.GEMM_REL_TOL, f"exl3_gemm vs reference: rel err {err:.2e} (limit {gpu_checks.GEMM_REL_TOL})"
+
+
+def check_exl3_moe_apply() -> tuple[bool, str]:
+    _require_cuda()
+    import torch
+
+    from glm53_overlay.exl3 import gpu_checks
+
+    shape = gpu_checks.SELFCHECK_SHAPE
+    layer = gpu_checks.make_layer(shape)
+    dense = gpu_checks.dense_weights(layer)
+    gen = torch.Generator().manual_seed(1)
+    errs = {}
+    for tokens in (1, 8, 64):
+        x, ids, w = gpu_checks.random_routing(shape, tokens, gen, "cuda")
+        errs[tokens] = gpu_checks.rel_err(layer.apply(x, ids, w), gpu_checks.reference_moe(dense, x.half(), ids, w,
+                                                                                         shape.act_limit))
+    worst = max(errs.values())
+    detail = ", ".join(f"T={t}: {e:.2e}" for t, e in errs.items())
+    return worst <= gpu_checks.MOE_REL_TOL, f"MoE apply vs reference rel err {detail} (limit {gpu_checks.MOE_REL_TOL})"
+
+
+def check_exl3_moe_cuda_graph() -> tuple[bool, str]:
+    _require_cuda()
+    import torch
+
+    from glm53_overlay.exl3 import gpu_checks
+
+    shape = gpu_checks.SELFCHECK_SHAPE
+    layer = gpu_checks.make_layer(shape)
+    errs, diffs = gpu_checks.graph_replays(layer, gpu_checks.dense_weights(layer), shape, 1,
+                                           torch.Generator().manual_seed(2))
+    ok = max(errs) <= gpu_checks.MOE_REL_TOL and max(diffs) == 0.0
+    return ok, f"3 replays at T=1: rel err {max(errs):.2e}, max |replay - eager| {max(diffs):.1e} (must be 0)"
+
+
 CHECKS: tuple[Callable[[], tuple[bool, str]], ...] = (
     check_entry_point,
     check_vllm_importable,
     check_exl3_quantization_registered,
     check_exl3_reference_vectors,
+    check_exl3_cuda_kernels,
+    check_exl3_gemm_k4_mcg,
+    check_exl3_moe_apply,
+    check_exl3_moe_cuda_graph,
 )
 
 
@@ -73,6 +139,8 @@ def run_check(check: Callable[[], tuple[bool, str]]) -> CheckResult:
     name = check.__name__.removeprefix("check_")
     try:
         ok, detail = check()
+    except CheckSkipped as skip:
+        return CheckResult(name, True, f"skipped: {skip}", skipped=True)
     except Exception as exc:  # a self-check reports failures, it does not crash on them
         return CheckResult(name, False, f"{type(exc).__name__}: {exc}")
     return CheckResult(name, ok, detail)

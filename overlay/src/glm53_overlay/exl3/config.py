@@ -1,6 +1,7 @@
 """vLLM quantization method "exl3" for exllamav3 checkpoints whose routed experts are EXL3.
 
-Everything but the routed experts is an ordinary unquantized layer. Routed experts arrive as
+Dense linears may be EXL3 too (`Exl3LinearMethod`: decoded once at load; BF16 linears load as usual).
+Routed experts arrive as
 per-expert `...experts.{e}.{gate,up,down}_proj.{trellis,suh,svh,mcg|mul1}` tensors; vLLM's expert
 mapping routes them to the `w13_*` / `w2_*` placeholders registered here. After loading, each
 expert is decoded with the exact reference decoder into vLLM's unquantized fused-MoE layout
@@ -73,8 +74,64 @@ class Exl3Config(QuantizationConfig):
                 return cuda_moe.make_moe_method(layer.moe_config)
             return Exl3DequantizedMoEMethod(layer.moe_config)
         if isinstance(layer, LinearBase):
-            return UnquantizedLinearMethod()
+            return Exl3LinearMethod()
         return None
+
+
+# Unpadded [out, in] of one checkpoint tensor feeding a (possibly merged) linear.
+_QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
+
+
+def _full_shape(layer: LinearBase, shard_id: int | str | None) -> tuple[int, int]:
+    if shard_id is None:
+        return layer.output_size, layer.input_size
+    index = _QKV_SHARDS[shard_id] if isinstance(shard_id, str) else shard_id
+    return layer.output_sizes[index], layer.input_size  # type: ignore[attr-defined]
+
+
+class Exl3LinearMethod(UnquantizedLinearMethod):
+    """A linear that loads either BF16 `weight` or packed EXL3 parts (per merged shard) and serves BF16.
+
+    EXL3 parts are decoded once after loading and fed through the layer's own weight loader, which
+    applies tensor-parallel slicing and merged-shard placement exactly as for a BF16 checkpoint.
+    GLM-5.3 Flash keeps its dense layers BF16, so this path costs nothing there; checkpoints that
+    quantize attention or shared experts get correct output at BF16 memory for those layers.
+    """
+
+    def create_weights(  # type: ignore[override]
+        self, layer: LinearBase, *args: Any, **extra_weight_attrs: Any
+    ) -> None:
+        super().create_weights(layer, *args, **extra_weight_attrs)
+        self._packed: dict[int | str | None, dict[str, torch.Tensor]] = {}
+        for part in EXL3_PARTS:
+            placeholder = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+            placeholder.weight_loader = partial(self._collect_packed, part)  # type: ignore[attr-defined]
+            layer.register_parameter(part, placeholder)
+
+    def _collect_packed(
+        self, part: str, param: torch.nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        self._packed.setdefault(shard_id, {})[part] = loaded_weight.detach().clone()
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        for part in EXL3_PARTS:
+            delattr(layer, part)
+        for shard_id, parts in sorted(self._packed.items(), key=lambda item: str(item[0])):
+            absent = [part for part in REQUIRED_PARTS if part not in parts]
+            if absent:
+                raise ValueError(f"{layer.prefix or 'linear'} shard {shard_id}: EXL3 tensor lacks {absent}")
+            codebook = codebook_from_marker(parts.get("mcg"), parts.get("mul1"))
+            device = layer.weight.device
+            w = dequantize(parts["trellis"].to(device), parts["suh"].to(device), parts["svh"].to(device),
+                           codebook=codebook)
+            rows, cols = _full_shape(layer, shard_id)
+            weight = w.t()[:rows, :cols].to(layer.weight.dtype)
+            loader_args = () if shard_id is None else (shard_id,)
+            layer.weight.weight_loader(layer.weight, weight, *loader_args)
+        if self._packed:
+            _logger.debug("%s: decoded %d EXL3 shard(s) to %s", layer.prefix, len(self._packed), layer.weight.dtype)
+        self._packed.clear()
+        super().process_weights_after_loading(layer)
 
 
 class Exl3DequantizedMoEMethod(UnquantizedFusedMoEMethod):
