@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On a CUDA machine with no network: install carried wheels (.whl/), build or reuse exllamav3's
-# extension, run the correctness check and the benchmark. Results land in $OUT (default ./gpu-out).
+# extension, then run the GPU checks, the vector generator and the benchmarks. Results land in $OUT
+# (default ./gpu-out). STEPS picks what runs (default: all).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+STEPS=${STEPS:-"check selfcheck vectors breakdown bench"}
 SITE=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
 export PYTHONPATH="$SITE:$PWD/overlay/src" PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16}
@@ -14,5 +16,18 @@ python3 -c "import torch, exllamav3.ext as e; print('exllamav3_ext', e.exllamav3
 echo "extension ready in $(( $(date +%s) - start )) s"
 so=$(ls ~/.cache/torch_extensions/*/exllamav3_ext/exllamav3_ext.so 2>/dev/null | head -1)
 [ -n "$so" ] && gzip -c "$so" > "$OUT/exllamav3_ext.so.gz"
-python3 overlay/gpu/check_cuda_moe.py --out "$OUT" 2>&1 | tee "$OUT/check.log"
-python3 overlay/benchmarks/bench_moe.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+for step in $STEPS; do
+  echo "== $step"
+  case $step in
+    check) python3 overlay/gpu/check_cuda_moe.py --out "$OUT" 2>&1 | tee "$OUT/check.log" ;;
+    # The selfcheck's GPU checks, without vLLM (the image runs them through `glm53-overlay selfcheck`).
+    selfcheck) python3 -c "
+import json
+from glm53_overlay import selfcheck as s
+checks = [s.run_check(c) for c in (s.check_exl3_cuda_kernels, s.check_exl3_gemm_k4_mcg, s.check_exl3_moe_apply, s.check_exl3_moe_cuda_graph)]
+print(json.dumps([c.__dict__ for c in checks], indent=2))" 2>&1 | tee "$OUT/selfcheck_gpu.json" ;;
+    vectors) python3 overlay/gpu/make_vectors.py --out "$OUT" 2>&1 | tee "$OUT/vectors.log" ;;
+    breakdown) (cd overlay/benchmarks && python3 breakdown.py --out "$OUT") 2>&1 | tee "$OUT/breakdown.log" ;;
+    bench) python3 overlay/benchmarks/bench_moe.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" ;;
+  esac
+done

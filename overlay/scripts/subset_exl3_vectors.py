@@ -1,15 +1,18 @@
-"""Cut the shipped EXL3 vector subsets out of shared/testdata/exl3 (run again if those vectors change).
+"""Cut the shipped EXL3 vector subsets out of exllamav3-made vectors (run again if those vectors change).
 
     python overlay/scripts/subset_exl3_vectors.py [path/to/exl3_kernel_vectors.safetensors]
+        [--extra path/to/exl3_extra_vectors.safetensors]
 
 Writes overlay/tests/data/exl3_vectors_subset.safetensors (all entries, ~250 KB) and the package's
-self-check file (the production codebook mcg only, ~50 KB). Trellis/suh/svh/x/y stay whole because
-every output row depends on all of them; big outputs keep only their leading rows.
+self-check file (the production codebook mcg only, ~50 KB) from shared/testdata/exl3; with --extra, also
+overlay/tests/data/exl3_extra_vectors_subset.safetensors from the vectors overlay/gpu/make_vectors.py made
+(half-integer K and the other K/codebook pairs). Trellis/suh/svh/x/y stay whole because every output row
+depends on all of them; big outputs keep only their leading rows.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -23,7 +26,8 @@ def cut(source: dict, entries: tuple[str, ...], row_parts: dict[str, int], lut_s
     codebooks = {entry.split("_")[0] for entry in entries}
     out = {"x": source["x"]}
     for codebook in codebooks:
-        out[f"{codebook}_lut"] = source[f"{codebook}_lut"][::lut_stride].clone()
+        if f"{codebook}_lut" in source:
+            out[f"{codebook}_lut"] = source[f"{codebook}_lut"][::lut_stride].clone()
     for entry in entries:
         for key, tensor in source.items():
             part = key.removeprefix(entry + "_")
@@ -37,8 +41,16 @@ def cut(source: dict, entries: tuple[str, ...], row_parts: dict[str, int], lut_s
 
 
 def main() -> None:
-    source_path = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_SOURCE
-    source = load_file(str(source_path))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("source", type=Path, nargs="?", default=DEFAULT_SOURCE)
+    parser.add_argument("--extra", type=Path)
+    args = parser.parse_args()
+    if args.extra:
+        extra = load_file(str(args.extra))
+        entries = tuple(sorted(key.removesuffix("_trellis") for key in extra if key.endswith("_trellis")))
+        save_file(cut(extra, entries, {"states": 1, "W_hat": 16, "W": 16}, 1),
+                  str(OVERLAY / "tests" / "data" / "exl3_extra_vectors_subset.safetensors"), {"lut_stride": "1"})
+    source = load_file(str(args.source))
     tests = cut(source, ("3inst_K2", "mcg_K4", "mul1_K4"), {"states": 1, "W_hat": 16, "W": 16}, 16)
     save_file(tests, str(OVERLAY / "tests" / "data" / "exl3_vectors_subset.safetensors"), {"lut_stride": "16"})
     package = cut(source, ("mcg_K4",), {"W": 16}, 64)

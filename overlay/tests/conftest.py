@@ -1,5 +1,6 @@
 """Vector files for the EXL3 tests: the full set from `<repo>/../shared` when present, and always the
-subset shipped in tests/data (so the tests also run from a bare clone)."""
+subsets shipped in tests/data (so the tests also run from a bare clone): the shared vectors' subset and
+the vectors overlay/gpu/make_vectors.py made on an H200 (half-integer K, other K/codebook pairs)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ from glm53_overlay.exl3.vectors import VectorSet, load_vectors
 OVERLAY = Path(__file__).resolve().parent.parent
 FULL_VECTORS = OVERLAY.parent.parent / "shared" / "testdata" / "exl3" / "exl3_kernel_vectors.safetensors"
 SUBSET_VECTORS = OVERLAY / "tests" / "data" / "exl3_vectors_subset.safetensors"
+EXTRA_VECTORS = OVERLAY / "tests" / "data" / "exl3_extra_vectors_subset.safetensors"
 
 
-@pytest.fixture(scope="session", params=["full", "subset"])
+@pytest.fixture(scope="session", params=["full", "subset", "extra"])
 def vectors(request: pytest.FixtureRequest) -> VectorSet:
     if request.param == "full":
         if not FULL_VECTORS.exists():
             pytest.skip(f"full vectors not found at {FULL_VECTORS}")
         return load_vectors(FULL_VECTORS)
-    return load_vectors(SUBSET_VECTORS)
+    return load_vectors(SUBSET_VECTORS if request.param == "subset" else EXTRA_VECTORS)
 
 
 @pytest.fixture(scope="session")
