@@ -56,7 +56,8 @@ class _Selector:
         self.top_k = top_k
         self.calls: list[tuple[torch.Tensor, ...]] = []
 
-    def __call__(self, ids: torch.Tensor, unary: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, unary: torch.Tensor, hidden: torch.Tensor,
+                 anchors: torch.Tensor) -> torch.Tensor:
         self.calls.append((ids, unary, hidden, anchors))
         # Edge score = unary; the walk then equals a per-step argmax of the unary logits.
         return unary[:, :, None, :].expand(-1, -1, self.top_k, -1).clone()
@@ -230,8 +231,8 @@ def test_glm_target_gets_aux_hidden_states_only_where_vllm_lacks_them(monkeypatc
     assert [a.tolist() for a in aux] == [streams[1].tolist(), streams[3].tolist()]
     assert torch.equal(hidden, h + r)
     model.aux_hidden_state_layers = ()
-    assert torch.equal(glm_aux_hidden.Glm4MoeLiteModelWithAux.forward(model, torch.tensor([1, 2]), torch.tensor([0, 1])),
-                       h + r)
+    plain = glm_aux_hidden.Glm4MoeLiteModelWithAux.forward(model, torch.tensor([1, 2]), torch.tensor([0, 1]))
+    assert torch.equal(plain, h + r)
 
 
 def test_aux_model_is_built_only_for_methods_that_read_aux_states() -> None:

@@ -84,12 +84,14 @@ def draft_block_logits(draft: Path, embed: torch.Tensor, block_ids: list[int], c
         k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
         # Non-causal inside the block: every query sees the whole context and the whole block.
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(head_dim)
-        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(block, -1) @ w[p + "self_attn.o_proj.weight"].T
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(block, -1)
+        attn = attn @ w[p + "self_attn.o_proj.weight"].T
         residual = _conv(attn, w[p + "attention_conv.base_kernel"][1], ac[:, 1], block, group) + residual
         h = _rms(residual, w[p + "post_attention_layernorm.weight"], eps)
         mc = deltas(h, p + "mlp_conv")
         h = _conv(h, w[p + "mlp_conv.base_kernel"][0], mc[:, 0], block, group)
-        h = (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        h = F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
+        h = h @ w[p + "mlp.down_proj.weight"].T
         x = _conv(h, w[p + "mlp_conv.base_kernel"][1], mc[:, 1], block, group)
     return _rms(x + residual, w["norm.weight"], eps) @ w["lm_head.weight"].T
 

@@ -69,9 +69,9 @@ def _read_tensor(target: Path, name: str) -> torch.Tensor:
 
 def mask_token_id(target: Path, vocab_size: int) -> int:
     """GLM's [MASK] when the tokenizer has it, else the last (unused, padded) id of the vocabulary."""
-    vocab = json.loads((target / "tokenizer.json").read_text())["model"]["vocab"]
-    added = {t["content"]: t["id"] for t in json.loads((target / "tokenizer.json").read_text())["added_tokens"]}
-    token = added.get(MASK_TOKEN, vocab.get(MASK_TOKEN))
+    tokenizer = json.loads((target / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
+    token = added.get(MASK_TOKEN, tokenizer["model"]["vocab"].get(MASK_TOKEN))
     return int(token) if token is not None else vocab_size - 1
 
 
@@ -154,7 +154,9 @@ def _conv(taps_prepare: tuple[float, ...], taps_finish: tuple[float, ...], hidde
     return base
 
 
-def make_weights(config: dict[str, Any], embed: torch.Tensor, successor: dict[int, int], seed: int) -> dict[str, torch.Tensor]:
+def make_weights(
+    config: dict[str, Any], embed: torch.Tensor, successor: dict[int, int], seed: int
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
@@ -172,7 +174,8 @@ def make_weights(config: dict[str, Any], embed: torch.Tensor, successor: dict[in
     gate[: len(keys)] = GATE_SHARPNESS * unit[keys]
     up[: len(keys)] = unit[keys]
     # A matching row yields silu(sharpness * scale) * scale ~ sharpness * scale^2; write WRITE_GAIN * scale.
-    down[:, : len(keys)] = (WRITE_GAIN * scale / (GATE_SHARPNESS * scale * scale)) * unit[[successor[k] for k in keys]].T
+    write = WRITE_GAIN * scale / (GATE_SHARPNESS * scale * scale)
+    down[:, : len(keys)] = write * unit[[successor[k] for k in keys]].T
 
     tensors: dict[str, torch.Tensor] = {
         "fc.weight": _noise(gen, hidden, hidden * len(draft["target_layer_ids"])),
@@ -233,7 +236,8 @@ def write_draft(target: Path, outdir: Path, seed: int = 0) -> Path:
     save_file(make_weights(config, embed, successor, seed), str(outdir / WEIGHTS_FILE), metadata={"format": "pt"})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(target / name, outdir / name)
-    (outdir / "README.md").write_text(MODEL_CARD.format(target=target.name, seed=seed, layers=config["num_hidden_layers"]))
+    card = MODEL_CARD.format(target=target.name, seed=seed, layers=config["num_hidden_layers"])
+    (outdir / "README.md").write_text(card)
     return outdir
 
 
