@@ -249,6 +249,7 @@ def test_vllm_engine_args_give_a_dflash2_draft_auto_kv_and_non_causal(tmp_path: 
     pytest.importorskip("vllm")
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
 
     from glm53_overlay import register
 
@@ -269,5 +270,8 @@ def test_vllm_engine_args_give_a_dflash2_draft_auto_kv_and_non_causal(tmp_path: 
     args = EngineArgs(model=str(target), skip_tokenizer_init=True, kv_cache_dtype="fp8", max_model_len=256,
                       speculative_config={"method": "dflash", "model": str(draft), "num_speculative_tokens": 3})
     spec = args.create_speculative_config(args.create_model_config(), ParallelConfig())
+    # Without the plugin (checked with VLLM_PLUGINS=''): kv_cache_dtype None (the draft inherits fp8) and
+    # vLLM resolves this draft causal.
     assert spec.method == "dflash" and spec.kv_cache_dtype == "auto"
     assert spec.draft_model_config.hf_config.is_causal is False
+    assert dflash_has_any_non_causal(spec.draft_model_config.hf_config)
