@@ -85,8 +85,13 @@ unit: venv
 engine: venv
 	cd overlay && $(BIN)/python -m pytest -q -m slow tests --durations=0
 
+# default on a fresh cluster, left up (--destroy=never) so that faults reuses its images and weights
+# and only pays for the engine starts it needs; faults destroys the cluster at the end.
 molecule: venv images
-	molecule test --all
+	molecule destroy -s default
+	molecule test -s default --destroy=never
+	molecule reset -s faults
+	molecule test -s faults
 
 clean: demo-down
 	rm -rf build .cache

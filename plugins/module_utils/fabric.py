@@ -18,7 +18,12 @@ _LINK_OK = frozenset({"up", "unknown"})
 
 
 class FabricError(ValueError):
-    """Discovery found nothing usable, or an inventory pin contradicts the machine."""
+    """Discovery found nothing usable, or an inventory pin contradicts the machine. ``option`` is the
+    fabric_facts option (fabric_ip, netdev, hca, gid_index, rdma) to look at first."""
+
+    def __init__(self, message: str, option: str = "fabric_ip") -> None:
+        super().__init__(message)
+        self.option = option
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,8 @@ def netdev_for_ip(addrs: list[Ipv4Addr], ip: ipaddress.IPv4Address, pinned: str 
         if any(a.ifname == pinned for a in holders):
             return pinned
         where = ", ".join(sorted({a.ifname for a in holders})) or "no interface"
-        raise FabricError(f"pinned netdev {pinned} does not carry fabric IP {ip} (it is on {where})")
+        raise FabricError(f"pinned netdev {pinned} does not carry fabric IP {ip} (it is on {where})",
+                          option="netdev")
     if not holders:
         raise FabricError(f"no interface carries fabric IP {ip}; assign it to the CX7 netdev first")
     # NCCL cannot use a 10.0.0.x alias on loopback (ncclCommInitRank hangs), so never pick lo.
@@ -83,7 +89,8 @@ def netdev_for_ip(addrs: list[Ipv4Addr], ip: ipaddress.IPv4Address, pinned: str 
         raise FabricError(f"fabric IP {ip} is only on loopback ({holders[0].ifname}); "
                           "NCCL hangs on loopback aliases, put the IP on the CX7 netdev")
     if len(real) > 1:
-        raise FabricError(f"fabric IP {ip} is on several interfaces ({', '.join(real)}); pin netdev")
+        raise FabricError(f"fabric IP {ip} is on several interfaces ({', '.join(real)}); pin netdev",
+                          option="netdev")
     return real[0]
 
 
@@ -100,15 +107,16 @@ def read_link(sysfs_root: Path, netdev: str) -> tuple[str, int]:
     operstate = _read(base / "operstate")
     mtu = _read(base / "mtu")
     if operstate is None or mtu is None or not mtu.isdigit():
-        raise FabricError(f"netdev {netdev} not found under {base.parent}")
+        raise FabricError(f"netdev {netdev} not found under {base.parent}", option="netdev")
     return operstate, int(mtu)
 
 
 def check_link(netdev: str, operstate: str, mtu: int, min_mtu: int = 0) -> None:
     if operstate not in _LINK_OK:
-        raise FabricError(f"link {netdev} is {operstate}; check the CX7 cable and `ip link set {netdev} up`")
+        raise FabricError(f"link {netdev} is {operstate}; check the CX7 cable and `ip link set {netdev} up`",
+                          option="netdev")
     if mtu < min_mtu:
-        raise FabricError(f"link {netdev} has MTU {mtu}, below the required {min_mtu}")
+        raise FabricError(f"link {netdev} has MTU {mtu}, below the required {min_mtu}", option="netdev")
 
 
 def ipv4_mapped_gid(ip: ipaddress.IPv4Address) -> ipaddress.IPv6Address:
@@ -179,12 +187,12 @@ def _gid_summary(entries: list[GidEntry]) -> str:
 def find_rdma_port(sysfs_root: Path, netdev: str, hca: str = "") -> tuple[str, int, list[GidEntry]]:
     """The one RDMA port whose GID table lists `netdev` (restricted to a pinned `hca`)."""
     ports = list_rdma_ports(sysfs_root)
+    if hca and not any(h == hca for h, _ in ports):
+        known = ", ".join(sorted({h for h, _ in ports})) or f"none under {sysfs_root / 'class' / 'infiniband'}"
+        raise FabricError(f"pinned hca {hca} does not exist (RDMA devices: {known})", option="hca")
     if not ports:
         raise FabricError(f"no RDMA devices under {sysfs_root / 'class' / 'infiniband'}; "
-                          "is the CX7 driver (mlx5_ib) loaded?")
-    if hca and not any(h == hca for h, _ in ports):
-        known = ", ".join(sorted({h for h, _ in ports}))
-        raise FabricError(f"pinned hca {hca} does not exist (RDMA devices: {known})")
+                          "is the CX7 driver (mlx5_ib) loaded?", option="rdma")
     matches = []
     for h, p in ports:
         if hca and h != hca:
@@ -194,10 +202,10 @@ def find_rdma_port(sysfs_root: Path, netdev: str, hca: str = "") -> tuple[str, i
             matches.append((h, p, table))
     if not matches:
         where = f"hca {hca}" if hca else "any RDMA device"
-        raise FabricError(f"no port of {where} belongs to netdev {netdev}")
+        raise FabricError(f"no port of {where} belongs to netdev {netdev}", option="hca")
     if len(matches) > 1:
         names = ", ".join(f"{h}:{p}" for h, p, _ in matches)
-        raise FabricError(f"netdev {netdev} appears on several RDMA ports ({names}); pin hca")
+        raise FabricError(f"netdev {netdev} appears on several RDMA ports ({names}); pin hca", option="hca")
     return matches[0]
 
 
@@ -207,7 +215,7 @@ def resolve_gid_index(entries: list[GidEntry], ip: ipaddress.IPv4Address, netdev
     if pinned is None:
         if found is None:
             raise FabricError(f"{hca} port {port} has no {ROCE_V2} GID for {ip} on {netdev} "
-                              f"({_gid_summary(entries)})")
+                              f"({_gid_summary(entries)})", option="gid_index")
         return found
     entry = next((e for e in entries if e.index == pinned), None)
     problem = "does not exist" if entry is None else gid_problem(entry, ip, netdev)
@@ -215,7 +223,7 @@ def resolve_gid_index(entries: list[GidEntry], ip: ipaddress.IPv4Address, netdev
         return pinned
     hint = f"; the {ROCE_V2} GID for {ip} is now index {found}" if found is not None else ""
     raise FabricError(f"pinned gid_index {pinned} on {hca} port {port} {problem} "
-                      f"(GID indices move after reboots){hint}")
+                      f"(GID indices move after reboots){hint}", option="gid_index")
 
 
 def fabric_env(facts: FabricFacts, ip: ipaddress.IPv4Address) -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime, timezone
 import re
 import shlex
 import subprocess
@@ -21,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-INSPECT_FORMAT = "{{.State.Status}} {{.State.ExitCode}}"
+INSPECT_FORMAT = "{{.State.Status}} {{.State.ExitCode}} {{.State.FinishedAt}}"
 SSH_OPTIONS: Tuple[str, ...] = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 # States after which the container will not come back by itself: fail at once.
 TERMINAL_STATES = frozenset({"exited", "dead"})
@@ -62,6 +63,8 @@ class ContainerState:
     status: str
     exit_code: Optional[int] = None
     detail: str = ""
+    # docker's RFC 3339 time of the last exit (None while it never exited): orders deaths across ranks.
+    finished_at: Optional[str] = None
 
     @property
     def running(self) -> bool:
@@ -108,13 +111,36 @@ def parse_inspect(rc: int, stdout: str, stderr: str, via_ssh: bool = False) -> C
                 exit_code = int(parts[1])
             except ValueError:
                 exit_code = None
-        return ContainerState(parts[0].lower(), exit_code)
+        finished = parts[2] if len(parts) > 2 and docker_time(parts[2]) is not None else None
+        return ContainerState(parts[0].lower(), exit_code, finished_at=finished)
     lowered = err.lower()
     if "no such object" in lowered or "no such container" in lowered:
         return ContainerState("missing", detail=err[:300])
     if via_ssh and rc == 255:
         return ContainerState("unreachable", detail=err[:300] or "ssh exited 255")
     return ContainerState("unknown", detail=(err[:300] or "docker inspect exited %d" % rc))
+
+
+def docker_time(text: str) -> Optional[float]:
+    """Seconds since the epoch of a docker RFC 3339 time (nanoseconds, trailing zeros trimmed), or None
+    for docker's zero time (never exited) and anything unparsable."""
+    match = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)$", text.strip())
+    if not match or match.group(1).startswith("0001-"):
+        return None
+    zone = "+00:00" if match.group(3) == "Z" else match.group(3)
+    try:
+        base = datetime.fromisoformat(match.group(1) + zone)
+    except ValueError:
+        return None
+    fraction = float("0." + match.group(2)) if match.group(2) else 0.0
+    return base.astimezone(timezone.utc).timestamp() + fraction
+
+
+def death_order(rank: Rank, state: ContainerState) -> Tuple[int, float, int]:
+    """Sort key for ranks found dead in the same poll: the one whose container exited first caused the
+    others to follow (a head whose worker vanished exits too); ranks without an exit time come last."""
+    when = docker_time(state.finished_at) if state.finished_at else None
+    return (0, when, rank.rank) if when is not None else (1, 0.0, rank.rank)
 
 
 @dataclass(frozen=True)
@@ -397,19 +423,29 @@ class HealthWaiter:
 
     # -- one poll
     def check_ranks(self) -> Optional[HealthOutcome]:
+        dead: List[Tuple[Rank, ContainerState, RankVerdict]] = []
         for rank in self.cfg.ranks:
             state = self.inspect(rank)
             self.states[rank.rank] = state
             verdict = self.watch.observe(rank, state)
             if verdict.failed:
-                tail = split_log_lines(self.logs(rank, self.cfg.log_tail))
-                self.last_line = tail[-1].strip()[:500] if tail else self.last_line
-                return self.fail(
-                    "%s failed: %s" % (rank.label(), verdict.reason),
-                    failed_rank=rank.rank, failed_node=rank.node, failed_container=rank.container,
-                    log_tail=tail,
-                )
-        return None
+                dead.append((rank, state, verdict))
+        if not dead:
+            return None
+        dead.sort(key=lambda item: death_order(item[0], item[1]))
+        rank, state, verdict = dead[0]
+        tail = split_log_lines(self.logs(rank, self.cfg.log_tail))
+        self.last_line = tail[-1].strip()[:500] if tail else self.last_line
+        msg = "%s failed: %s" % (rank.label(), verdict.reason)
+        if len(dead) > 1:
+            msg += " (first of %d; then %s)" % (len(dead), "; ".join(
+                "%s: %s" % (r.label(), v.reason) for r, _s, v in dead[1:]))
+        return self.fail(
+            msg, failed_rank=rank.rank, failed_node=rank.node, failed_container=rank.container,
+            failed_at=state.finished_at, log_tail=tail,
+            failed_ranks=[{"rank": r.rank, "node": r.node, "container": r.container, "state": s.describe(),
+                           "finished_at": s.finished_at} for r, s, _v in dead],
+        )
 
     def check_api(self) -> Tuple[Optional[ModelsCheck], str]:
         health = self.get("/health")
@@ -479,6 +515,7 @@ class HealthWaiter:
                 "vLLM answers /health but the canary failed: %s" % (verdict.reason if answer.status else
                                                                      answer.describe()),
                 canary_status=answer.status, canary_body=(answer.body or answer.error)[:CANARY_BODY_LIMIT],
+                canary_finish_reason=verdict.finish_reason, canary_completion_tokens=verdict.completion_tokens,
                 **common,
             )
         self.phase = PHASE_READY

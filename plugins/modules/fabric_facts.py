@@ -161,7 +161,7 @@ def main() -> None:
             netdev=p["netdev"] or "", hca=p["hca"] or "", gid_index=p["gid_index"], min_mtu=p["min_mtu"],
         )
     except (FabricError, ValueError) as exc:
-        module.fail_json(msg=f"fabric of {p['fabric_ip']}: {exc}")
+        module.fail_json(msg=f"fabric of {p['fabric_ip']}: {exc}", option=getattr(exc, "option", "fabric_ip"))
     module.exit_json(changed=False, **asdict(facts))
 
 

@@ -15,7 +15,9 @@ description:
   - A rank whose container has exited (or is dead) fails the task at once; a container that is not
     running (created, restarting, missing, node unreachable) on O(not_running_polls) polls in a row fails
     it too. The failure names the node and rank and carries the container's last O(log_tail) log lines,
-    so a dead worker is noticed in seconds instead of at the ready timeout.
+    so a dead worker is noticed in seconds instead of at the ready timeout. When several ranks are found
+    dead in one poll, the one whose container exited first is named (a head whose worker vanished exits
+    too; the worker is the cause) and the others are listed after it.
   - Once O(served_model_name) is listed, sends O(warmup_requests) warmup chat requests and then a
     canary chat request (temperature 0, thinking off through top-level C(chat_template_kwargs)). The
     canary's answer must be non-empty, not a single character repeated, and match
@@ -201,11 +203,11 @@ canary_text:
 canary_finish_reason:
   description: The canary choice's finish_reason.
   type: str
-  returned: success
+  returned: when the canary ran
 canary_completion_tokens:
   description: Completion tokens the canary used.
   type: int
-  returned: success
+  returned: when the canary ran
 canary_status:
   description: HTTP status of the failed canary request (0 when no answer came).
   type: int
@@ -230,6 +232,31 @@ failed_container:
   description: Container name of the failed rank.
   type: str
   returned: when a rank container failed
+failed_at:
+  description: Docker's time (RFC 3339) when the failed rank's container exited; null when it did not exit.
+  type: str
+  returned: when a rank container failed
+failed_ranks:
+  description: Every rank found failed in the same poll, the first to exit first.
+  type: list
+  elements: dict
+  returned: when a rank container failed
+  contains:
+    rank:
+      description: Node rank.
+      type: int
+    node:
+      description: Inventory name of the node.
+      type: str
+    container:
+      description: Container name.
+      type: str
+    state:
+      description: The container's state, e.g. C(exited (exit code 137)).
+      type: str
+    finished_at:
+      description: When the container exited (docker's RFC 3339 time), or null.
+      type: str
 log_tail:
   description: Last log lines of the failed rank's container, or of the head's on timeout.
   type: list

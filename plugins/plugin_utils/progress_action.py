@@ -17,7 +17,8 @@ from ansible.utils.display import Display
 
 display = Display()
 
-STATUS_EVERY_S = 5.0
+# How soon a finished (or failed) job is noticed: a dead rank must be reported within seconds.
+STATUS_EVERY_S = 2.0
 DISPLAY_EVERY_S = 20.0
 ASYNC_KEYS = ("ansible_job_id", "started", "finished", "results_file", "stdout_lines", "stderr_lines")
 

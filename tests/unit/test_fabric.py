@@ -244,3 +244,29 @@ def test_discover_simulation_with_rdma_explains_missing_devices():
 def test_discover_rejects_non_ipv4():
     with pytest.raises(FabricError, match="'fe80::1' is not an IPv4 address"):
         discover("spark-head", "spark-head", "fe80::1")
+
+
+# --- which setting each failure points at (the fabric role names it: glm53_netdev, glm53_ib_hca, ...) ---
+
+@pytest.mark.parametrize(
+    ("call", "option"),
+    [
+        (lambda: netdev_for_ip(addrs("spark-head"), IP("10.0.0.9")), "fabric_ip"),
+        (lambda: netdev_for_ip(addrs("spark-head"), IP("10.0.0.1"), "enP7s7"), "netdev"),
+        (lambda: find_rdma_port(SYSFS / "spark-head", "enp1s0f1np1", "mlx5_0"), "hca"),
+        (lambda: find_rdma_port(SYSFS / "spark-head", "enp1s0f1np1", "rocep1s0f0"), "hca"),
+        (lambda: find_rdma_port(SYSFS / "sim-node", "eth0"), "rdma"),
+        (lambda: find_rdma_port(SYSFS / "sim-node", "eth0", "mlx5_9"), "hca"),
+        (lambda: resolve_gid_index(read_gid_table(SYSFS / "gid-moved", "rocep1s0f1", 1), IP("10.0.0.1"),
+                                   "enp1s0f1np1", "rocep1s0f1", 1, 3), "gid_index"),
+    ],
+)
+def test_fabric_errors_name_the_option_to_fix(call, option):
+    with pytest.raises(FabricError) as failure:
+        call()
+    assert failure.value.option == option
+
+
+def test_pinned_hca_on_a_node_without_rdma_devices_names_the_pin():
+    with pytest.raises(FabricError, match=r"pinned hca mlx5_9 does not exist \(RDMA devices: none under .*infiniband"):
+        find_rdma_port(SYSFS / "sim-node", "eth0", "mlx5_9")

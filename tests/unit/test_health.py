@@ -58,9 +58,43 @@ def test_inspect_and_logs_argv_local_and_over_ssh() -> None:
     assert argv[:5] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
     assert argv[5] == "root@10.0.0.2"
     # the Go template has spaces and braces: it must reach the remote shell as one quoted word
-    assert argv[6] == "docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' glm53-rank1"
+    assert argv[6] == "docker inspect -f '{{.State.Status}} {{.State.ExitCode}} {{.State.FinishedAt}}' glm53-rank1"
     assert h.docker_logs_argv(WORKER, 40)[-1] == "docker logs --tail 40 glm53-rank1 2>&1"
     assert h.docker_logs_argv(HEAD, 5) == ["docker", "logs", "--tail", "5", "glm53-rank0"]
+
+
+def test_parse_inspect_keeps_the_exit_time_only_when_there_is_one() -> None:
+    dead = h.parse_inspect(0, "exited 137 2026-11-30T19:01:02.5Z\n", "")
+    assert dead.finished_at == "2026-11-30T19:01:02.5Z"
+    assert h.parse_inspect(0, "running 0 0001-01-01T00:00:00Z\n", "").finished_at is None
+    assert h.parse_inspect(0, "exited 1 garbage\n", "").finished_at is None
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("2026-11-30T19:01:02Z", 1796065262.0),
+        ("2026-11-30T19:01:02.5Z", 1796065262.5),
+        ("2026-11-30T19:01:02.123456789Z", 1796065262.123456789),
+        ("2026-11-30T20:01:02.25+01:00", 1796065262.25),
+        ("0001-01-01T00:00:00Z", None),
+        ("", None),
+        ("yesterday", None),
+    ],
+)
+def test_docker_time(text: str, expected: Optional[float]) -> None:
+    got = h.docker_time(text)
+    assert got == pytest.approx(expected) if expected is not None else got is None
+
+
+def test_death_order_puts_the_first_exit_first_even_when_nanoseconds_are_trimmed() -> None:
+    # Compared as text, ".12Z" would sort before ".1Z"; as times .1 s comes first.
+    early = h.ContainerState("exited", 137, finished_at="2026-11-30T19:01:02.1Z")
+    late = h.ContainerState("exited", 1, finished_at="2026-11-30T19:01:02.12Z")
+    unknown = h.ContainerState("missing")
+    ranks = sorted([(HEAD, late), (WORKER, early), (h.Rank(2, "s3", "c"), unknown)],
+                   key=lambda item: h.death_order(*item))
+    assert [r.rank for r, _s in ranks] == [1, 0, 2]
 
 
 def test_rank_from_dict_treats_empty_ssh_as_local() -> None:
@@ -210,6 +244,19 @@ def test_loop_fails_fast_naming_the_dead_worker() -> None:
     assert any(c.startswith("ssh -o BatchMode=yes") and "logs --tail 10" in c for c in io.calls)
 
 
+def test_loop_names_the_rank_that_died_first_when_the_head_followed_it() -> None:
+    # A worker killed while serving takes the head's engine down with it; the worker is the cause.
+    io = ScriptedIO({"glm53-rank0": ["running 0 0001-01-01T00:00:00Z", "exited 1 2026-11-30T19:01:09.3Z"],
+                     "glm53-rank1": ["running 0 0001-01-01T00:00:00Z", "exited 137 2026-11-30T19:01:02Z"]}, [0])
+    outcome = h.HealthWaiter(config(), io.io()).run()
+    assert outcome.failed and outcome.msg.startswith("rank 1 on node spark2 (container glm53-rank1) failed")
+    assert "first of 2; then rank 0 on node spark1" in outcome.msg
+    r = outcome.result
+    assert (r["failed_rank"], r["failed_node"], r["failed_at"]) == (1, "spark2", "2026-11-30T19:01:02Z")
+    assert [d["rank"] for d in r["failed_ranks"]] == [1, 0]
+    assert r["log_tail"][-1] == "last words of glm53-rank1"
+
+
 def test_loop_fails_after_three_polls_without_container() -> None:
     io = ScriptedIO({"glm53-rank0": ["running 0"], "glm53-rank1": ["missing"]}, [0])
     io.inspect["glm53-rank1"] = ["created 0"]
@@ -237,6 +284,18 @@ def test_loop_canary_failure_carries_the_body() -> None:
     outcome = h.HealthWaiter(config(), io.io()).run()
     assert outcome.failed and "degenerate" in outcome.msg
     assert "!!!!" in outcome.result["canary_body"] and outcome.result["canary_status"] == 200
+
+
+def test_loop_empty_canary_answer_fails_with_finish_reason_and_token_count() -> None:
+    # What an engine that emits end-of-sequence at once looks like: HTTP 200, no text, one token.
+    empty = json.dumps({"choices": [{"message": {"role": "assistant", "content": ""}, "finish_reason": "stop"}],
+                        "usage": {"completion_tokens": 1}})
+    io = ScriptedIO({"glm53-rank0": ["running 0"], "glm53-rank1": ["running 0"]}, [200], chat=(200, empty))
+    outcome = h.HealthWaiter(config(), io.io()).run()
+    assert outcome.failed and outcome.msg == "vLLM answers /health but the canary failed: canary answer is empty"
+    r = outcome.result
+    assert (r["canary_status"], r["canary_finish_reason"], r["canary_completion_tokens"]) == (200, "stop", 1)
+    assert r["canary_text"] == "" and '"completion_tokens": 1' in r["canary_body"]
 
 
 def test_probe_reports_without_failing() -> None:
