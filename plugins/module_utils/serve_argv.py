@@ -143,7 +143,21 @@ def validate_settings(settings: Mapping[str, Any], *, num_attention_heads: int =
     if extra is not None and (isinstance(extra, (str, bytes)) or not isinstance(extra, list)
                               or not all(isinstance(a, str) for a in extra)):
         errors.append(f"{var('extra_serve_args')} must be a list of strings (one argv word each)")
+    elif settings.get("quantization") == "exl3" and _option_value(extra or [], "--moe-backend") == "marlin":
+        # Marlin takes over the routed experts and has no EXL3 kernels: the engine dies loading them.
+        errors.append(f"{var('extra_serve_args')}: --moe-backend marlin cannot run EXL3 experts "
+                      f"({var('quantization')} is exl3); remove it")
     return errors
+
+
+def _option_value(argv: list[str], option: str) -> str | None:
+    """The value of `option` in an argv list (`--opt value` or `--opt=value`), None when absent."""
+    for i, arg in enumerate(argv):
+        if arg == option and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def settings_warnings(settings: Mapping[str, Any], *, gpu: bool = True) -> list[str]:
@@ -159,6 +173,13 @@ def settings_warnings(settings: Mapping[str, Any], *, gpu: bool = True) -> list[
     kv = settings.get("kv_cache_dtype")
     if kv in KV_CACHE_DTYPES and kv not in _GPU_KV_CACHE_DTYPES:
         warnings.append(f"{var('kv_cache_dtype')}={kv}: the SM12x sparse-MLA backend has fp8 kernels only")
+    extra = settings.get("extra_serve_args")
+    forced = [settings.get("attention_backend")]
+    if isinstance(extra, list) and all(isinstance(a, str) for a in extra):
+        forced.append(_option_value(extra, "--attention-backend"))
+    if settings.get("spec_method") == "dflash" and "TRITON_ATTN" in forced:
+        warnings.append(f"{var('attention_backend')}/{var('extra_serve_args')} force TRITON_ATTN, which the DFlash2 "
+                        "draft then uses too: its non-causal block attention is lost and acceptance collapses")
     return warnings
 
 

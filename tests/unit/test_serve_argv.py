@@ -256,3 +256,19 @@ def test_gpu_warnings():
     assert settings_warnings(settings(max_num_batched_tokens=4096)) == []
     assert settings_warnings(settings(max_num_batched_tokens=8192), gpu=False) == []
     assert settings_warnings(settings(max_num_batched_tokens="junk")) == []
+
+
+def test_marlin_moe_backend_is_refused_for_exl3():
+    for extra in (["--moe-backend", "marlin"], ["--moe-backend=marlin"]):
+        errors = validate_settings(settings(extra_serve_args=extra))
+        assert any("glm53_extra_serve_args: --moe-backend marlin cannot run EXL3" in e for e in errors), errors
+    assert validate_settings(settings(extra_serve_args=["--moe-backend", "marlin"], quantization="")) == []
+    assert validate_settings(settings(extra_serve_args=["--moe-backend", "triton"])) == []
+
+
+def test_triton_attention_for_the_dflash_draft_warns():
+    for forced in ({"attention_backend": "TRITON_ATTN"}, {"extra_serve_args": ["--attention-backend=TRITON_ATTN"]}):
+        warnings = settings_warnings(settings(spec_method="dflash", **forced))
+        assert any("TRITON_ATTN" in w and "acceptance" in w for w in warnings), warnings
+    assert not any("TRITON_ATTN" in w for w in settings_warnings(settings(spec_method="none",
+                                                                          attention_backend="TRITON_ATTN")))
