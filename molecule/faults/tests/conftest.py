@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: MIT
 """Drive the real playbooks against the simulated Sparks and break things on purpose.
 
-Every run of site.yml/stop.yml goes through `Sim.site()`/`Sim.playbook()`: the same command line a user
-types (inventory/sim, the API key, HF token and registry password from an ansible-vault file made for this
-session), its output kept under the log directory as evidence and scanned for secrets at the end. Nodes
+Every run of site.yml/stop.yml goes through `Sim.start()`/`Sim.site()`: the same command line a user types
+(inventory/sim, the API key, HF token and registry password from an ansible-vault file made for this
+session), its output kept under .cache/faults-logs/TIME/ as evidence and scanned for secrets at the end. Nodes
 are reached with `docker exec glm53-sim-nodeN` (the controller made them), rank containers inside them
 with the node's own docker.
 """
@@ -197,9 +197,9 @@ def port_open(host: str, port: int) -> bool:
 
 @pytest.fixture(scope="session")
 def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
-    base = Path(os.environ["MOLECULE_EPHEMERAL_DIRECTORY"]) if os.environ.get("MOLECULE_EPHEMERAL_DIRECTORY") \
-        else tmp_path_factory.mktemp("faults")
-    logs = base / "faults-logs"
+    base = tmp_path_factory.mktemp("faults")
+    # Outside molecule's ephemeral directory, which is pruned after a passing run: the evidence stays.
+    logs = REPO / ".cache" / "faults-logs" / time.strftime("%Y%m%d-%H%M%S")
     logs.mkdir(parents=True, exist_ok=True)
     # Secrets made for this session and kept in ansible-vault, the way README tells users to keep theirs.
     values = {
