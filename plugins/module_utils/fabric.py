@@ -243,6 +243,9 @@ def discover_fabric(addrs: list[Ipv4Addr], fabric_ip: str, sysfs_root: Path, *, 
                     min_mtu: int = 0) -> FabricFacts:
     """Everything a rank needs to bind NCCL/gloo to the fabric; pins win but are checked."""
     ip = parse_fabric_ip(fabric_ip)
+    if netdev and not (sysfs_root / "class" / "net" / netdev).exists():
+        raise FabricError(f"pinned netdev {netdev} does not exist (no {sysfs_root / 'class' / 'net' / netdev})",
+                          option="netdev")
     dev = netdev_for_ip(addrs, ip, netdev)
     operstate, mtu = read_link(sysfs_root, dev)
     check_link(dev, operstate, mtu, min_mtu)

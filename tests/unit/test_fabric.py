@@ -270,3 +270,9 @@ def test_fabric_errors_name_the_option_to_fix(call, option):
 def test_pinned_hca_on_a_node_without_rdma_devices_names_the_pin():
     with pytest.raises(FabricError, match=r"pinned hca mlx5_9 does not exist \(RDMA devices: none under .*infiniband"):
         find_rdma_port(SYSFS / "sim-node", "eth0", "mlx5_9")
+
+
+def test_pinned_netdev_that_does_not_exist_says_so():
+    with pytest.raises(FabricError, match=r"pinned netdev eth9 does not exist \(no .*/sim-node/class/net/eth9\)") as failure:
+        discover("sim-node", "sim-node", "172.31.253.10", rdma=False, netdev="eth9")
+    assert failure.value.option == "netdev"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,8 +15,8 @@ import time
 
 import yaml
 
-from conftest import (HF_CACHE, HEAD_IP, HOSTS, NAMES, PORT, RANK, REPO, SIM_VARS, STOP_TIMEOUT, Sim, api, port_open,
-                      recap, wait_until)
+from conftest import (HF_CACHE, HEAD_IP, HOSTS, LOCK, NAMES, PORT, RANK, REPO, SIM_VARS, STOP_TIMEOUT, Sim, api,
+                      port_open, recap, wait_until)
 
 HEAD, WORKER = NAMES[0], NAMES[1]
 WORKER_IP = HOSTS[WORKER]["glm53_fabric_ip"]
@@ -288,11 +289,27 @@ def test_fabric_pins_that_do_not_exist_are_refused_naming_the_setting(sim: Sim, 
     run = sim.site("fabric-pins", inventories=(extra,))
     out = " ".join(run.output.split())
     assert run.rc != 0, run.evidence()
-    assert "glm53_netdev on %s: fabric of %s: pinned netdev eth9 does not carry fabric IP" % (HEAD, HEAD_IP) in out, \
+    assert "glm53_netdev on %s: fabric of %s: pinned netdev eth9 does not exist" % (HEAD, HEAD_IP) in out, \
         run.evidence()
     assert "glm53_ib_hca on %s: fabric of %s: pinned hca mlx5_9 does not exist" % (WORKER, WORKER_IP) in out, \
         run.evidence()
     assert_nothing_started(run)
+
+
+def test_lock_left_by_an_interrupted_run_of_this_controller_is_broken(sim: Sim) -> None:
+    # A run killed with Ctrl-C never reaches its `always` section: its lock stays, naming a dead process.
+    gone = subprocess.Popen(["sleep", "60"])
+    gone.kill()
+    gone.wait()
+    holder = {"token": "interrupted-run", "owner": "someone@%s pid %d" % (os.uname().nodename, gone.pid),
+              "controller": os.uname().nodename, "pid": gone.pid, "playbook": "Deploy", "since": time.time() - 600}
+    sim.node(0, "mkdir", "-p", LOCK, check=True)
+    sim.node(0, "sh", "-c", "printf '%%s' '%s' > %s/holder.json" % (json.dumps(holder), LOCK), check=True)
+    run = sim.site("stale-lock", "--tags", "preflight", "-e", "glm53_max_model_len=0", timeout=120)
+    out = " ".join(run.output.split())
+    assert "Breaking the run lock left on %s by an interrupted run: %s" % (HEAD, holder["owner"]) in out, run.evidence()
+    assert "glm53_max_model_len must be > 0" in out, run.evidence()  # the run went on to its own failure
+    assert sim.lock_holder() is None, "the run did not release the lock it took over"
 
 
 # --------------------------------------------------------------------------- stop
