@@ -86,7 +86,7 @@ def test_download_then_rerun_is_unchanged_and_offline(hub, tmp_path):
     progress = tmp_path / "progress.json"
     first = ensure(request(hub, tmp_path, revision="main", progress_file=str(progress)), factory(hub, tmp_path))
     assert first.changed and first.revision == hub["shas"][PRIMARY]
-    assert first.downloaded_bytes == first.total_bytes > 3_000_000
+    assert first.downloaded_bytes == first.total_bytes > 2_000_000
     assert_identical(first.snapshot_path, hub["model"])
     record = json.loads(progress.read_text())
     assert record["state"] == "done" and record["done_bytes"] == first.total_bytes
@@ -156,10 +156,11 @@ def test_modules_download_rsync_copy_and_verify(hub, tmp_path):
     head, worker = tmp_path / "head", tmp_path / "worker"
     args = {"repo_id": PRIMARY, "revision": "main", "cache_dir": str(head), "endpoint": hub["endpoint"],
             "token": "hf_secret_token", "_ansible_check_mode": True}
+    files = sum(1 for f in hub["model"].iterdir() if f.is_file())
     dry = run_module("hf_snapshot", args, tmp_path)
-    assert dry["changed"] and len(dry["missing"]) == 6 and not head.exists()
+    assert dry["changed"] and len(dry["missing"]) == files and not head.exists()
     got = run_module("hf_snapshot", {**args, "_ansible_check_mode": False}, tmp_path)
-    assert got["changed"] and got["files"] == 6 and "hf_secret_token" not in json.dumps(got)
+    assert got["changed"] and got["files"] == files and "hf_secret_token" not in json.dumps(got)
     assert not run_module("hf_snapshot", {**args, "_ansible_check_mode": False}, tmp_path)["changed"]
 
     # What the lead's rsync -a does: copy the whole models--ORG--REPO dir, symlinks preserved.
