@@ -15,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -23,7 +24,9 @@ from glm53_overlay.exl3 import cuda_moe, gpu_checks
 
 SHAPE = gpu_checks.GLM53_FLASH_RANK
 
-TOKENS = (1, 2, 4, 8, 16, 64, 512)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+# Our mcg4 kernels are also timed here above MCG4_MAX_TOKENS, where `apply` no longer uses them.
+MCG4_SHOWN_UP_TO = 128
 SETS = 16
 EAGER_REPS = 100
 GRAPH_REPS = 20
@@ -75,6 +78,14 @@ def per_expert_exl3(layer: cuda_moe.Exl3CudaExperts, x, ids, w) -> torch.Tensor:
             out.index_add_(0, rows, y * weight_sorted[start : start + count].float().unsqueeze(1))
         start += count
     return out.to(x.dtype)
+
+
+def coop_chunked(layer: cuda_moe.Exl3CudaExperts, x, ids, w) -> torch.Tensor:
+    """exllamav3's exl3_moe_coop on chunks of its 8-token limit (graph safe, no host sync)."""
+    step = cuda_moe.DECODE_MAX_TOKENS
+    chunks = [layer.apply_decode(x[i : i + step].half(), ids[i : i + step], w[i : i + step]).to(x.dtype, copy=True)
+              for i in range(0, x.shape[0], step)]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def time_eager(fn, sets) -> float:
@@ -137,7 +148,10 @@ def copy_bandwidth() -> float:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts to time")
     args = parser.parse_args()
+    if any(t < 1 for t in args.tokens):
+        parser.error(f"--tokens must be positive, got {args.tokens}")
     args.out.mkdir(parents=True, exist_ok=True)
     layer = gpu_checks.make_layer(SHAPE)
     dense = gpu_checks.dense_weights(layer)
@@ -147,7 +161,7 @@ def main() -> int:
     expert_bytes_bf16 = (bf16.w13[0].numel() + bf16.w2[0].numel()) * 2
     gen = torch.Generator().manual_seed(7)
     rows = []
-    for tokens in TOKENS:
+    for tokens in args.tokens:
         sets = [gpu_checks.random_routing(SHAPE, tokens, gen, "cuda") for _ in range(SETS)]
         distinct = statistics.mean(int(torch.unique(ids).numel()) for _, ids, _ in sets)
         io_bytes = tokens * SHAPE.hidden * 2 * 2 + tokens * SHAPE.top_k * 12
@@ -159,8 +173,10 @@ def main() -> int:
             "exl3_moe_fused": (lambda x, i, w: layer.apply_fused(x.half(), i, w).to(x.dtype), tokens <= cuda_moe.FUSED_ROWS, expert_bytes_exl3),
             "bf16_grouped_mm": (bf16.apply, True, expert_bytes_bf16),
         }
-        if tokens <= cuda_moe.DECODE_MAX_TOKENS:
-            paths["exl3_moe_coop"] = (lambda x, i, w: layer.apply_decode(x.half(), i, w).to(x.dtype, copy=True), True, expert_bytes_exl3)
+        if layer.ours is not None and cuda_moe.MCG4_MAX_TOKENS < tokens <= MCG4_SHOWN_UP_TO:
+            paths["mcg4_unused"] = (layer.ours.apply, True, expert_bytes_exl3)
+        if tokens <= cuda_moe.COOP_CHUNKED_MAX_TOKENS:
+            paths["exl3_moe_coop"] = (lambda x, i, w: coop_chunked(layer, x, i, w), True, expert_bytes_exl3)
         for name, (fn, graphable, per_expert) in paths.items():
             try:
                 err = gpu_checks.rel_err(fn(x0, ids0, w0), ref)
@@ -179,6 +195,8 @@ def main() -> int:
                 "implied_GBps": nbytes / (best * 1e-6) / 1e9, "frac_of_copy_bw": nbytes / (best * 1e-6) / copy_bw,
                 "floor_us": nbytes / copy_bw * 1e6, "rel_err_vs_exact": err,
             })
+            if name == "ours":
+                rows[-1]["kernels"] = layer.path_for(tokens)
             g = f"{graph_us:8.1f}" if graph_us is not None else "     n/a"
             print(f"T={tokens:<4} {name:<16} eager {eager_us:8.1f} us graph {g} us  {rows[-1]['implied_GBps']:7.0f} GB/s  err {err:.1e}")
     report = {

@@ -14,6 +14,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 start=$(date +%s)
 python3 -c "import torch, exllamav3.ext as e; print('exllamav3_ext', e.exllamav3_ext.__file__)" 2>&1 | tail -5 || exit 1
 echo "extension ready in $(( $(date +%s) - start )) s"
+start=$(date +%s)
+python3 -c "from glm53_overlay.exl3 import mcg4_moe; print('mcg4 extension', mcg4_moe.load_extension().__file__)" 2>&1 | tail -20 || exit 1
+echo "mcg4 extension ready in $(( $(date +%s) - start )) s"
 so=$(ls ~/.cache/torch_extensions/*/exllamav3_ext/exllamav3_ext.so 2>/dev/null | head -1)
 [ -n "$so" ] && gzip -c "$so" > "$OUT/exllamav3_ext.so.gz"
 for step in $STEPS; do
@@ -28,6 +31,8 @@ checks = [s.run_check(c) for c in (s.check_exl3_cuda_kernels, s.check_exl3_gemm_
 print(json.dumps([c.__dict__ for c in checks], indent=2))" 2>&1 | tee "$OUT/selfcheck_gpu.json" ;;
     vectors) python3 overlay/gpu/make_vectors.py --out "$OUT" 2>&1 | tee "$OUT/vectors.log" ;;
     breakdown) (cd overlay/benchmarks && python3 breakdown.py --out "$OUT") 2>&1 | tee "$OUT/breakdown.log" ;;
-    bench) python3 overlay/benchmarks/bench_moe.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" ;;
+    tune) (cd overlay/benchmarks && python3 tune_mcg4.py --out "$OUT") 2>&1 | tee "$OUT/tune.log" ;;
+    kernels) (cd overlay/benchmarks && python3 kernel_times.py --out "$OUT") 2>&1 | tee "$OUT/kernel_times.log" ;;
+    bench) python3 overlay/benchmarks/bench_moe.py --out "$OUT" ${BENCH_TOKENS:+--tokens $BENCH_TOKENS} 2>&1 | tee "$OUT/bench.log" ;;
   esac
 done

@@ -12,6 +12,9 @@ caller applies it, as it does for vLLM's unquantized method. Activations run in 
 dtype); bf16 in, bf16 out.
 
 Paths, by token count T:
+- T <= MCG4_MAX_TOKENS and K=4 mcg experts (GLM-5.3 Flash's format): our decode kernels
+  (`mcg4_moe.py`, csrc/mcg4_moe.cu), three launches, no host sync, graph safe. Set
+  GLM53_EXL3_MOE_DECODE=exllamav3 to use exllamav3's kernels instead.
 - T <= DECODE_MAX_TOKENS: `exl3_moe_coop`, two or three launches, no host sync, fixed scratch:
   safe to capture in a CUDA graph.
 - DECODE_MAX_TOKENS < T <= COOP_CHUNKED_MAX_TOKENS: the coop kernels on chunks of
@@ -30,14 +33,21 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
 
+from glm53_overlay.exl3 import mcg4_moe
 from glm53_overlay.exl3.trellis import TILE, bits_per_weight
 
+# Our K=4 mcg decode kernels run up to here; above, exllamav3's exl3_moe decodes each routed expert once
+# for all its rows and wins (H200, 2026-11-30: see benchmarks/README.md).
+MCG4_MAX_TOKENS = 64
+DECODE_KERNEL_ENV = "GLM53_EXL3_MOE_DECODE"
+DECODE_KERNELS = ("ours", "exllamav3")
 # exllamav3's MAX_BSZN: the coop kernels' token bound (scratch holds MAX_BSZN * top_k slots).
 DECODE_MAX_TOKENS = 8
 # Up to here, coop calls on chunks of DECODE_MAX_TOKENS beat one exl3_moe call (H200, 2026-11-30:
@@ -240,6 +250,15 @@ class Exl3CudaExperts:
         self.ptrs = {name: p.pointer_tables() for name, p in self.projections().items()}
         self._decode = _decode_scratch(self.device, self.hidden, self.intermediate, top_k)
         self._fused: dict[str, torch.Tensor] | None = None
+        self.ours = self._our_decode_path()
+
+    def _our_decode_path(self) -> mcg4_moe.Mcg4Experts | None:
+        choice = os.environ.get(DECODE_KERNEL_ENV, "ours")
+        if choice not in DECODE_KERNELS:
+            raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected one of {', '.join(DECODE_KERNELS)}")
+        if choice != "ours" or mcg4_moe.unsupported_reason(self.gate, self.up, self.down, self.codebook):
+            return None
+        return mcg4_moe.Mcg4Experts(self.gate, self.up, self.down, act_limit=self.act_limit)
 
     def projections(self) -> dict[str, PackedProjection]:
         return {"gate": self.gate, "up": self.up, "down": self.down}
@@ -260,10 +279,12 @@ class Exl3CudaExperts:
             raise ValueError(
                 f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} must be [{x.shape[0]}, {self.top_k}]"
             )
-        x16 = x.to(torch.float16).contiguous()
         tokens = x.shape[0]
         if tokens == 0:
             return torch.zeros_like(x)
+        if self.ours is not None and tokens <= MCG4_MAX_TOKENS:
+            return self.ours.apply(x, topk_ids, topk_weights)
+        x16 = x.to(torch.float16).contiguous()
         if tokens <= COOP_CHUNKED_MAX_TOKENS:
             # apply_decode returns a view of shared scratch: each chunk is copied out before the next.
             chunks = [
@@ -273,6 +294,14 @@ class Exl3CudaExperts:
             ]
             return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         return self.apply_fused(x16, topk_ids, topk_weights).to(x.dtype)
+
+    def path_for(self, tokens: int) -> str:
+        """Which kernels `apply` runs for this many tokens."""
+        if self.ours is not None and tokens <= MCG4_MAX_TOKENS:
+            return "ours (mcg4)"
+        if tokens <= COOP_CHUNKED_MAX_TOKENS:
+            return "exl3_moe_coop"
+        return "exl3_moe"
 
     def apply_decode(self, x16: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """exl3_moe_coop for <= DECODE_MAX_TOKENS tokens; fp32 [T, hidden] (a view of shared scratch)."""

@@ -1,0 +1,143 @@
+"""Our CUDA decode path for K=4 mcg EXL3 experts (csrc/mcg4_moe.cu), for a few tokens per step.
+
+Each (token, routed expert) pair is decoded on its own, so the work is T * top_k experts, which
+equals the distinct experts exllamav3's kernels decode up to a few collisions (1.3% at 4 tokens
+of GLM-5.3 Flash's top-8 of 288, 10% at 8). Three launches, no host sync, scratch allocated per call
+from torch's caching allocator: safe to capture in a CUDA graph.
+
+Numerics: the codebook value lo + hi of each weight is summed in fp32 by the tensor core instead of
+rounded to fp16 first, so each weight is within half an fp16 ulp of the reference decoder's (see
+`exact_mcg_values`); activations are rounded to fp16 after each input rotation, as exllamav3 does.
+
+The extension is built by torch's JIT on first use (TORCH_CUDA_ARCH_LIST picks the targets;
+sm_90 for an H200, 12.1a for a GB10) and cached under TORCH_EXTENSIONS_DIR.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from glm53_overlay.exl3.codebook import MCG_MULTIPLIER
+
+if TYPE_CHECKING:
+    from glm53_overlay.exl3.cuda_moe import PackedProjection
+
+SOURCE = Path(__file__).with_name("csrc") / "mcg4_moe.cu"
+EXTENSION_NAME = "glm53_exl3_mcg4_moe"
+BITS = 4
+MCG_MASK = 0x8FFF8FFF - (1 << 32)  # as int32
+# Shared memory holds the rotated input at 4 bytes per feature next to 8 KiB of split-K sums.
+MAX_FEATURES = 8192
+FEATURE_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class LaunchShape:
+    """Warps per block of the gate/up and down kernels, and whether down and combine start as
+    programmatic dependents of the kernel before them (sm_90+)."""
+
+    gate_up_warps: int = 8
+    down_warps: int = 8
+    pdl: bool = True
+
+    def check(self) -> None:
+        for name, warps in (("gate_up_warps", self.gate_up_warps), ("down_warps", self.down_warps)):
+            if warps not in WARP_CHOICES:
+                raise ValueError(f"{name}={warps}: expected one of {WARP_CHOICES}")
+
+
+WARP_CHOICES = (4, 8, 16)
+# Fastest shape per token count, from benchmarks/tune_mcg4.py on the H200 (results/tune_mcg4.json); a
+# count takes the shape of the largest entry at or below it.
+TUNED_SHAPES: dict[int, LaunchShape] = {
+    1: LaunchShape(gate_up_warps=8, down_warps=8),
+    8: LaunchShape(gate_up_warps=8, down_warps=4),
+}
+
+
+def launch_shape(tokens: int) -> LaunchShape:
+    return TUNED_SHAPES[max(t for t in TUNED_SHAPES if t <= max(tokens, 1))]
+
+
+class Mcg4Unavailable(RuntimeError):
+    """The extension could not be built or loaded."""
+
+
+def unsupported_reason(gate: PackedProjection, up: PackedProjection, down: PackedProjection, codebook: str) -> str | None:
+    """Why these experts cannot run on this path (None when they can)."""
+    if codebook != "mcg":
+        return f"codebook {codebook!r} (this path decodes mcg only)"
+    for name, p in (("gate", gate), ("up", up), ("down", down)):
+        if p.bits != BITS:
+            return f"{name} experts are K={p.bits} (this path decodes K={BITS} only)"
+    for name, size in (("hidden", gate.in_features), ("intermediate", gate.out_features)):
+        if size % FEATURE_MULTIPLE or size > MAX_FEATURES:
+            return f"{name} size {size} (needs a multiple of {FEATURE_MULTIPLE}, at most {MAX_FEATURES})"
+    return None
+
+
+@lru_cache(maxsize=1)
+def load_extension() -> Any:
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cuda_cflags=["-O3"], verbose=False)
+    except Exception as exc:  # the compiler's own errors, or a missing toolkit
+        raise Mcg4Unavailable(
+            f"building {SOURCE.name} failed (needs nvcc and TORCH_CUDA_ARCH_LIST for this GPU): {exc}"
+        ) from exc
+
+
+class Mcg4Experts:
+    """One MoE layer's packed K=4 mcg experts (this rank's share) and the decode-path apply over them."""
+
+    def __init__(self, gate: PackedProjection, up: PackedProjection, down: PackedProjection, *, act_limit: float) -> None:
+        reason = unsupported_reason(gate, up, down, "mcg")
+        if reason is not None:
+            raise ValueError(f"mcg4 decode path cannot run these experts: {reason}")
+        self.gate, self.up, self.down = gate, up, down
+        self.act_limit = float(act_limit)
+        self.hidden = gate.in_features
+        self.intermediate = gate.out_features
+        self.ext = load_extension()
+        self.pdl_supported = torch.cuda.get_device_capability(gate.trellis.device)[0] >= 9
+        # Read by the kernels from memory, not as an immediate: see mcg_hash in the source.
+        self.consts = torch.tensor([MCG_MASK], dtype=torch.int32, device=gate.trellis.device)
+
+    def apply(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shape: LaunchShape | None = None
+    ) -> torch.Tensor:
+        """sum_j w[t, j] * expert_j(x[t]) for x [T, hidden] fp16/bf16 (fp32 is cast to bf16); returns x's dtype."""
+        tokens, top_k = topk_ids.shape
+        shape = shape or launch_shape(tokens)
+        shape.check()
+        xin = x if x.dtype in (torch.float16, torch.bfloat16) else x.to(torch.bfloat16)
+        ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int64)
+        pairs = tokens * top_k
+        gu = torch.empty((2, pairs, self.intermediate), dtype=torch.float32, device=x.device)
+        y = torch.empty((pairs, self.hidden), dtype=torch.float32, device=x.device)
+        out = torch.empty((tokens, self.hidden), dtype=x.dtype, device=x.device)
+        g, u, d = self.gate, self.up, self.down
+        self.ext.mcg4_moe(
+            xin.contiguous(), ids.contiguous(), topk_weights.to(torch.float32).contiguous(),
+            g.trellis, g.suh, g.svh, u.trellis, u.suh, u.svh, d.trellis, d.suh, d.svh,
+            gu, y, out, self.consts, self.act_limit, shape.gate_up_warps, shape.down_warps,
+            shape.pdl and self.pdl_supported, torch.cuda.current_stream(x.device).cuda_stream,
+        )
+        return out
+
+
+def exact_mcg_values(states: torch.Tensor) -> torch.Tensor:
+    """What this path multiplies by: lo + hi of each state's masked mcg hash, in fp32 (no fp16 rounding)."""
+    x = ((states.to(torch.int64) & 0xFFFF) * MCG_MULTIPLIER) & 0xFFFFFFFF
+    x = (x & (MCG_MASK & 0xFFFFFFFF)) ^ 0x3B603B60
+
+    def half(bits: torch.Tensor) -> torch.Tensor:
+        return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.float16).float()
+
+    return half(x & 0xFFFF) + half(x >> 16)
