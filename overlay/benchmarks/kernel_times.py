@@ -43,11 +43,19 @@ def kernel_means(fn, sets) -> dict[str, float]:
     return {name: us / CALLS for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
+def short_name(kernel: str) -> str:
+    """`void ns::name<args>(params)` -> `name<args>`, at most 48 characters."""
+    name = kernel.removeprefix("void ").replace("(anonymous namespace)::", "").split("(")[0]
+    return name.rsplit("::", 1)[-1][:48]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args()
+    if any(t < 1 for t in args.tokens):
+        parser.error(f"--tokens must be positive, got {args.tokens}")
     args.out.mkdir(parents=True, exist_ok=True)
     layer = gpu_checks.make_layer(SHAPE)
     gen = torch.Generator().manual_seed(7)
@@ -55,12 +63,12 @@ def main() -> int:
     for tokens in args.tokens:
         sets = [gpu_checks.random_routing(SHAPE, tokens, gen, "cuda") for _ in range(SETS)]
         shape = dataclasses.replace(mcg4_moe.launch_shape(tokens), pdl=False)
-        ours = (lambda x, i, w: layer.ours.apply(x, i, w, shape)) if layer.ours else layer.apply
+        ours = (lambda x, i, w, s=shape: layer.ours.apply(x, i, w, s)) if layer.ours else layer.apply
         for name, fn in (("ours", ours), ("exl3_moe_coop", lambda x, i, w: coop_chunked(layer, x, i, w))):
             means = kernel_means(fn, sets)
             report["rows"].append({"tokens": tokens, "path": name, "kernels_us": means, "sum_us": sum(means.values())})
             print(f"T={tokens:<3} {name:<14} sum {sum(means.values()):7.1f} us  " +
-                  "  ".join(f"{k.split('(')[0][-40:]} {v:.1f}" for k, v in means.items()))
+                  "  ".join(f"{short_name(k)} {v:.1f}" for k, v in means.items()))
     (args.out / "kernel_times.json").write_text(json.dumps(report, indent=2))
     return 0
 

@@ -26,6 +26,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
+    if any(t < 1 for t in args.tokens):
+        parser.error(f"--tokens must be positive, got {args.tokens}")
     args.out.mkdir(parents=True, exist_ok=True)
     layer = gpu_checks.make_layer(SHAPE)
     dense = gpu_checks.dense_weights(layer)
@@ -46,7 +48,7 @@ def main() -> int:
                           "coop_us": coop_us})
         best = min(timed, key=lambda r: r["graph_us"])
         no_pdl = dataclasses.replace(mcg4_moe.LaunchShape(**best["shape"]), pdl=False)
-        no_pdl_us = time_graph(lambda x, i, w: ours.apply(x, i, w, no_pdl), sets)
+        no_pdl_us = time_graph(lambda x, i, w, s=no_pdl: ours.apply(x, i, w, s), sets)
         timed.append({"tokens": tokens, "shape": no_pdl.__dict__, "graph_us": no_pdl_us, "coop_us": coop_us,
                       "rel_err": gpu_checks.rel_err(ours.apply(x0, ids0, w0, no_pdl), ref)})
         rows.extend(timed)

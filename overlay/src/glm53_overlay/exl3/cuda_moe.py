@@ -69,6 +69,14 @@ REQUIRED_KERNELS = (
 PROJECTIONS = ("gate", "up", "down")
 
 
+def decode_kernel_choice() -> str:
+    """GLM53_EXL3_MOE_DECODE: `ours` (default) or `exllamav3` for the decode-sized MoE calls."""
+    choice = os.environ.get(DECODE_KERNEL_ENV, "ours")
+    if choice not in DECODE_KERNELS:
+        raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected one of {', '.join(DECODE_KERNELS)}")
+    return choice
+
+
 class Exl3KernelsUnavailable(RuntimeError):
     """exllamav3's CUDA extension (or one of the kernels this path needs) cannot be used."""
 
@@ -253,10 +261,7 @@ class Exl3CudaExperts:
         self.ours = self._our_decode_path()
 
     def _our_decode_path(self) -> mcg4_moe.Mcg4Experts | None:
-        choice = os.environ.get(DECODE_KERNEL_ENV, "ours")
-        if choice not in DECODE_KERNELS:
-            raise ValueError(f"{DECODE_KERNEL_ENV}={choice!r}: expected one of {', '.join(DECODE_KERNELS)}")
-        if choice != "ours" or mcg4_moe.unsupported_reason(self.gate, self.up, self.down, self.codebook):
+        if decode_kernel_choice() != "ours" or mcg4_moe.unsupported_reason(self.gate, self.up, self.down, self.codebook):
             return None
         return mcg4_moe.Mcg4Experts(self.gate, self.up, self.down, act_limit=self.act_limit)
 

@@ -1,0 +1,92 @@
+"""CPU-safe parts of our K=4 mcg decode kernels: numerics of what they multiply by, which experts they take,
+launch shapes, the kernel switch, and the benchmark's argument handling.
+
+The kernels run on a GPU only (overlay/gpu/check_cuda_moe.py, overlay/benchmarks/; results committed).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm53_overlay.exl3 import cuda_moe, mcg4_moe
+from glm53_overlay.exl3.codebook import decode_states
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _projection(experts: int, k: int, n: int, bits: int = 4) -> cuda_moe.PackedProjection:
+    trellis = torch.zeros((experts, k // 16, n // 16, 16 * bits), dtype=torch.int16)
+    return cuda_moe.PackedProjection(
+        trellis, torch.ones(experts, k, dtype=torch.float16), torch.ones(experts, n, dtype=torch.float16), bits
+    )
+
+
+def _layer(hidden: int = 256, inter: int = 128, bits: tuple[int, int, int] = (4, 4, 4)):
+    return (_projection(2, hidden, inter, bits[0]), _projection(2, hidden, inter, bits[1]),
+            _projection(2, inter, hidden, bits[2]))
+
+
+def test_exact_values_round_to_the_reference_decoder_and_stay_within_half_an_ulp():
+    states = torch.arange(1 << 16)
+    exact = mcg4_moe.exact_mcg_values(states)
+    reference = decode_states(states, "mcg")
+    # The reference rounds lo + hi to fp16 once; our kernels keep the fp32 sum.
+    assert torch.equal(exact.half(), reference)
+    ulp = torch.where(reference == 0, torch.tensor(2.0**-24), reference.float().abs() * 2.0**-10)
+    assert float(((exact - reference.float()).abs() / ulp).max()) <= 0.5 + 1e-6
+
+
+def test_takes_k4_mcg_experts_only():
+    assert mcg4_moe.unsupported_reason(*_layer(), "mcg") is None
+    assert "codebook 'mul1'" in mcg4_moe.unsupported_reason(*_layer(), "mul1")
+    assert "down experts are K=3" in mcg4_moe.unsupported_reason(*_layer(bits=(4, 4, 3)), "mcg")
+    assert "hidden size 192" in mcg4_moe.unsupported_reason(*_layer(hidden=192), "mcg")
+    assert "intermediate size 8320" in mcg4_moe.unsupported_reason(*_layer(inter=8320), "mcg")
+
+
+def test_mcg4_experts_refuse_unsupported_experts_before_building_anything():
+    with pytest.raises(ValueError, match="K=3"):
+        mcg4_moe.Mcg4Experts(*_layer(bits=(3, 3, 3)), act_limit=0.0)
+
+
+@pytest.mark.parametrize(("tokens", "shape"), [
+    (0, mcg4_moe.TUNED_SHAPES[1]), (1, mcg4_moe.TUNED_SHAPES[1]), (7, mcg4_moe.TUNED_SHAPES[1]),
+    (8, mcg4_moe.TUNED_SHAPES[8]), (64, mcg4_moe.TUNED_SHAPES[8]),
+])
+def test_launch_shape_takes_the_largest_tuned_entry_at_or_below(tokens, shape):
+    assert mcg4_moe.launch_shape(tokens) == shape
+
+
+def test_launch_shape_names_a_bad_warp_count():
+    with pytest.raises(ValueError, match=r"down_warps=5: expected one of \(4, 8, 16\)"):
+        mcg4_moe.LaunchShape(gate_up_warps=8, down_warps=5).check()
+
+
+def test_decode_kernel_switch(monkeypatch):
+    monkeypatch.delenv(cuda_moe.DECODE_KERNEL_ENV, raising=False)
+    assert cuda_moe.decode_kernel_choice() == "ours"
+    monkeypatch.setenv(cuda_moe.DECODE_KERNEL_ENV, "exllamav3")
+    assert cuda_moe.decode_kernel_choice() == "exllamav3"
+    monkeypatch.setenv(cuda_moe.DECODE_KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match="GLM53_EXL3_MOE_DECODE='fast': expected one of ours, exllamav3"):
+        cuda_moe.decode_kernel_choice()
+
+
+def test_the_kernel_source_ships_with_the_package():
+    assert mcg4_moe.SOURCE.is_file()
+    assert "mcg4_moe" in mcg4_moe.SOURCE.read_text()
+
+
+@pytest.mark.parametrize("script", ["bench_moe", "tune_mcg4", "kernel_times"])
+def test_benchmarks_refuse_bad_token_counts_before_touching_a_gpu(script, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = __import__(script)
+    monkeypatch.setattr(sys, "argv", [script, "--tokens", "0"])
+    with pytest.raises(SystemExit) as exc:
+        module.main()
+    assert exc.value.code == 2
+    assert "--tokens must be positive" in capsys.readouterr().err
