@@ -67,7 +67,7 @@ def main() -> int:
             "pass": bool(err <= REL_TOL),
         })
     graphs = []
-    for tokens in (1, 2, 4, 8, 16, 64):
+    for tokens in (1, 2, 4, 8, 16, 64, 256):
         errs, diffs = gpu_checks.graph_replays(layer, dense, SHAPE, tokens, gen)
         graphs.append({"tokens": tokens, "rel_err_vs_reference": errs, "max_abs_diff_vs_eager": diffs})
     for g in graphs:

@@ -23,7 +23,8 @@ Paths, by token count T:
   gets at most one row per token, so no expert can exceed the fused kernel's row capacity and the
   counts never leave the device.
 - T > FUSED_ROWS (prefill): one host read of the per-expert counts; experts within the fused
-  capacity run through `exl3_moe`, heavier ones through per-expert `exl3_gemm` calls.
+  capacity run through `exl3_moe`, heavier ones through per-expert `exl3_gemm` calls. Inside a CUDA
+  graph capture, `exl3_moe` on chunks of FUSED_ROWS tokens instead (no host read).
 
 Imports only torch at module import; exllamav3's extension is loaded on first use and its
 absence (or a missing kernel) is an error, never a silent fallback.
@@ -349,6 +350,11 @@ class Exl3CudaExperts:
     def apply_fused(self, x16: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """exl3_moe (plus per-expert exl3_gemm for experts above its row capacity); fp32 [T, hidden]."""
         tokens = x16.shape[0]
+        if tokens > FUSED_ROWS and torch.cuda.is_current_stream_capturing():
+            # A CUDA graph cannot read the counts back; chunks of FUSED_ROWS tokens keep every expert within
+            # exl3_moe's rows (slower than one call, but only graphs of > FUSED_ROWS tokens take it).
+            return torch.cat([self.apply_fused(x16[i : i + FUSED_ROWS], topk_ids[i : i + FUSED_ROWS],
+                                               topk_weights[i : i + FUSED_ROWS]) for i in range(0, tokens, FUSED_ROWS)])
         expert_count, token_sorted, weight_sorted = routing_tables(topk_ids, topk_weights, self.num_experts)
         out = torch.zeros((tokens, self.hidden), dtype=torch.float32, device=x16.device)
         if tokens <= FUSED_ROWS:
