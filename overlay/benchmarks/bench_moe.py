@@ -145,14 +145,20 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def main() -> int:
+def parse_args(default_tokens: tuple[int, ...]) -> argparse.Namespace:
+    """--out (created) and --tokens, shared by the benchmarks here; bad counts exit before any GPU work."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("results"))
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts to time")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(default_tokens), help="token counts to time")
     args = parser.parse_args()
     if any(t < 1 for t in args.tokens):
         parser.error(f"--tokens must be positive, got {args.tokens}")
     args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main() -> int:
+    args = parse_args(TOKENS)
     layer = gpu_checks.make_layer(SHAPE)
     dense = gpu_checks.dense_weights(layer)
     bf16 = Bf16GroupedMoE(dense, SHAPE.act_limit)

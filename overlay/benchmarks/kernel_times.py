@@ -11,17 +11,15 @@ launches; bench_moe.py measures the whole call.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_moe import SETS, SHAPE, coop_chunked
+from bench_moe import SETS, SHAPE, coop_chunked, parse_args
 from glm53_overlay.exl3 import gpu_checks, mcg4_moe
 
 CALLS = 64
@@ -50,13 +48,7 @@ def short_name(kernel: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("results"))
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
-    args = parser.parse_args()
-    if any(t < 1 for t in args.tokens):
-        parser.error(f"--tokens must be positive, got {args.tokens}")
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parse_args((1, 2, 4, 8))
     layer = gpu_checks.make_layer(SHAPE)
     gen = torch.Generator().manual_seed(7)
     report = {"device": torch.cuda.get_device_name(), "calls": CALLS, "rows": []}

@@ -8,27 +8,19 @@ each against the exact reference, and prints the fastest next to exllamav3's exl
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-from bench_moe import SETS, SHAPE, coop_chunked, time_graph
+from bench_moe import SETS, SHAPE, coop_chunked, parse_args, time_graph
 from glm53_overlay.exl3 import gpu_checks, mcg4_moe
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("results"))
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    args = parser.parse_args()
-    if any(t < 1 for t in args.tokens):
-        parser.error(f"--tokens must be positive, got {args.tokens}")
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parse_args((1, 2, 4, 8, 16))
     layer = gpu_checks.make_layer(SHAPE)
     dense = gpu_checks.dense_weights(layer)
     ours = layer.ours or mcg4_moe.Mcg4Experts(layer.gate, layer.up, layer.down, act_limit=layer.act_limit)
