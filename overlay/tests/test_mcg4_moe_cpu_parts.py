@@ -90,3 +90,15 @@ def test_benchmarks_refuse_bad_token_counts_before_touching_a_gpu(script, monkey
         module.main()
     assert exc.value.code == 2
     assert "--tokens must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch may build the kernels here")
+def test_a_failed_build_says_how_to_run_without_our_kernels(monkeypatch, tmp_path):
+    # A CPU torch has no CUDA toolkit: its JIT refuses the .cu source, and the error names the way out.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    mcg4_moe.load_extension.cache_clear()
+    try:
+        with pytest.raises(mcg4_moe.Mcg4Unavailable, match="GLM53_EXL3_MOE_DECODE=exllamav3 runs without it"):
+            mcg4_moe.load_extension()
+    finally:
+        mcg4_moe.load_extension.cache_clear()

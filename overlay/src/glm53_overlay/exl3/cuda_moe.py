@@ -68,6 +68,10 @@ REQUIRED_KERNELS = (
     "silu_mul",
 )
 PROJECTIONS = ("gate", "up", "down")
+# What `Exl3CudaExperts.path_for` names (reports and checks print them).
+PATH_OURS = "ours (mcg4)"
+PATH_COOP = "exl3_moe_coop"
+PATH_FUSED = "exl3_moe"
 
 
 def decode_kernel_choice() -> str:
@@ -288,10 +292,11 @@ class Exl3CudaExperts:
         tokens = x.shape[0]
         if tokens == 0:
             return torch.zeros_like(x)
-        if self.ours is not None and tokens <= MCG4_MAX_TOKENS:
+        path = self.path_for(tokens)
+        if path == PATH_OURS:
             return self.ours.apply(x, topk_ids, topk_weights)
         x16 = x.to(torch.float16).contiguous()
-        if tokens <= COOP_CHUNKED_MAX_TOKENS:
+        if path == PATH_COOP:
             # apply_decode returns a view of shared scratch: each chunk is copied out before the next.
             chunks = [
                 self.apply_decode(x16[i : i + DECODE_MAX_TOKENS], topk_ids[i : i + DECODE_MAX_TOKENS],
@@ -304,10 +309,10 @@ class Exl3CudaExperts:
     def path_for(self, tokens: int) -> str:
         """Which kernels `apply` runs for this many tokens."""
         if self.ours is not None and tokens <= MCG4_MAX_TOKENS:
-            return "ours (mcg4)"
+            return PATH_OURS
         if tokens <= COOP_CHUNKED_MAX_TOKENS:
-            return "exl3_moe_coop"
-        return "exl3_moe"
+            return PATH_COOP
+        return PATH_FUSED
 
     def apply_decode(self, x16: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """exl3_moe_coop for <= DECODE_MAX_TOKENS tokens; fp32 [T, hidden] (a view of shared scratch)."""

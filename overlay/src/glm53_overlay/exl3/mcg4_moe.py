@@ -89,7 +89,8 @@ def load_extension() -> Any:
         return load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cuda_cflags=["-O3"], verbose=False)
     except Exception as exc:  # the compiler's own errors, or a missing toolkit
         raise Mcg4Unavailable(
-            f"building {SOURCE.name} failed (needs nvcc and TORCH_CUDA_ARCH_LIST for this GPU): {exc}"
+            f"building {SOURCE.name} failed (needs nvcc and TORCH_CUDA_ARCH_LIST for this GPU; "
+            f"GLM53_EXL3_MOE_DECODE=exllamav3 runs without it): {exc}"
         ) from exc
 
 
