@@ -109,3 +109,44 @@ def test_codebook_3inst_is_refused_before_kernels_load():
     p = _projection(2, 128, 128)
     with pytest.raises(cuda_moe.Exl3KernelsUnavailable, match="3inst"):
         cuda_moe.Exl3CudaExperts(p, p, p, codebook="3inst", top_k=2)
+
+
+class _Recorder:
+    """Stands in for a kernel family: records the token counts it is called with, returns zeros (fp32 like
+    exllamav3's wrappers, or x's dtype like ours)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype | None = torch.float32) -> None:
+        self.hidden, self.dtype, self.calls = hidden, dtype, []
+
+    def __call__(self, x, ids, weights, *rest):
+        self.calls.append(x.shape[0])
+        return torch.zeros((x.shape[0], self.hidden), dtype=self.dtype or x.dtype)
+
+
+def _dispatching_layer(with_ours: bool) -> cuda_moe.Exl3CudaExperts:
+    # Only apply's dispatch is exercised: no kernels, no CUDA (the kernels are checked on a GPU).
+    layer = object.__new__(cuda_moe.Exl3CudaExperts)
+    layer.hidden, layer.top_k = 64, 2
+    layer.ours = type("Ours", (), {"apply": _Recorder(64, dtype=None)})() if with_ours else None
+    layer.apply_decode, layer.apply_fused = _Recorder(64), _Recorder(64)
+    return layer
+
+
+@pytest.mark.parametrize("with_ours", [True, False])
+@pytest.mark.parametrize("tokens", [1, 8, 9, 16, 17, 64, 65, 300])
+def test_apply_runs_the_kernels_path_for_names(with_ours, tokens):
+    layer = _dispatching_layer(with_ours)
+    x = torch.zeros((tokens, 64), dtype=torch.bfloat16)
+    ids = torch.zeros((tokens, 2), dtype=torch.int64)
+    out = layer.apply(x, ids, torch.ones((tokens, 2)))
+    assert out.shape == (tokens, 64) and out.dtype == torch.bfloat16
+    called = {
+        cuda_moe.PATH_OURS: layer.ours.apply.calls if with_ours else [],
+        cuda_moe.PATH_COOP: layer.apply_decode.calls,
+        cuda_moe.PATH_FUSED: layer.apply_fused.calls,
+    }
+    path = layer.path_for(tokens)
+    assert sum(called[path]) == tokens  # coop in chunks of 8, the others in one call
+    assert all(not calls for name, calls in called.items() if name != path)
+    if with_ours:
+        assert (path == cuda_moe.PATH_OURS) == (tokens <= cuda_moe.MCG4_MAX_TOKENS)
