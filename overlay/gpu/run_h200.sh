@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On a CUDA machine with no network: install carried wheels (.whl/), build or reuse exllamav3's
-# extension, then run the GPU checks, the vector generator and the benchmarks. Results land in $OUT
-# (default ./gpu-out). STEPS picks what runs (default: all).
+# extension, build ours (mcg4_moe.cu), then run the GPU checks, the vector generator, the tuner and the
+# benchmarks. Results land in $OUT (default ./gpu-out). STEPS picks what runs (default: all).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"check selfcheck vectors breakdown bench"}
+STEPS=${STEPS:-"check selfcheck vectors breakdown tune kernels bench"}
 SITE=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
 export PYTHONPATH="$SITE:$PWD/overlay/src" PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16}

@@ -1,8 +1,8 @@
 """Our CUDA decode path for K=4 mcg EXL3 experts (csrc/mcg4_moe.cu), for a few tokens per step.
 
-Each (token, routed expert) pair is decoded on its own, so the work is T * top_k experts, which
-equals the distinct experts exllamav3's kernels decode up to a few collisions (1.3% at 4 tokens
-of GLM-5.3 Flash's top-8 of 288, 10% at 8). Three launches, no host sync, scratch allocated per call
+Each (token, routed expert) pair is decoded on its own, so the work is T * top_k experts where
+exllamav3's kernels decode each distinct expert once: 4% more at 4 tokens of GLM-5.3 Flash's top-8 of
+288, 10% more at 8, twice as much at 64 (why exl3_moe takes over above 64). Three launches, no host sync, scratch allocated per call
 from torch's caching allocator: safe to capture in a CUDA graph.
 
 Numerics: the codebook value lo + hi of each weight is summed in fp32 by the tensor core instead of
@@ -61,6 +61,7 @@ TUNED_SHAPES: dict[int, LaunchShape] = {
 
 
 def launch_shape(tokens: int) -> LaunchShape:
+    """The tuned shape for this many tokens."""
     return TUNED_SHAPES[max(t for t in TUNED_SHAPES if t <= max(tokens, 1))]
 
 
