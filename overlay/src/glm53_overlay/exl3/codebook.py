@@ -20,7 +20,7 @@ MCG_MULTIPLIER = 0xCBAC1FED
 MUL1_MULTIPLIER = 0x83DCD12D
 _3INST_MULTIPLIER = 89226354
 _3INST_INCREMENT = 64248484
-_HALF_PAIR_MASK = 0x8FFF8FFF
+HALF_PAIR_MASK = 0x8FFF8FFF
 _HALF_PAIR_XOR = 0x3B603B60
 _MUL1_BYTE_SUM_BASE = 0x6400  # fp16 bits of 1024.0
 _MUL1_SCALE_BITS = 0x1EEE  # fp16 ~1/147.7
@@ -34,12 +34,20 @@ def _u16_as_half(bits: torch.Tensor) -> torch.Tensor:
     return signed.to(torch.int16).view(torch.float16)
 
 
+def _half_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask/xor a 32-bit hash into its two fp16 halves, as fp32 (3inst and mcg)."""
+    x = (x & HALF_PAIR_MASK) ^ _HALF_PAIR_XOR
+    return _u16_as_half(x & 0xFFFF).float(), _u16_as_half(x >> 16).float()
+
+
 def _half_pair_sum(x: torch.Tensor) -> torch.Tensor:
-    """Mask/xor a 32-bit hash into two fp16 halves and add them (3inst and mcg)."""
-    x = (x & _HALF_PAIR_MASK) ^ _HALF_PAIR_XOR
-    low = _u16_as_half(x & 0xFFFF).float()
-    high = _u16_as_half(x >> 16).float()
+    low, high = _half_pair(x)
     return (low + high).half()
+
+
+def mcg_halves(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two fp16 halves (as fp32) whose sum, rounded to fp16, is each state's mcg weight."""
+    return _half_pair(((states.to(torch.int64) & 0xFFFF) * MCG_MULTIPLIER) & _U32)
 
 
 def _mul1(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from glm53_overlay.exl3.codebook import MCG_MULTIPLIER
+from glm53_overlay.exl3.codebook import HALF_PAIR_MASK, mcg_halves
 
 if TYPE_CHECKING:
     from glm53_overlay.exl3.cuda_moe import PackedProjection
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 SOURCE = Path(__file__).with_name("csrc") / "mcg4_moe.cu"
 EXTENSION_NAME = "glm53_exl3_mcg4_moe"
 BITS = 4
-MCG_MASK = 0x8FFF8FFF - (1 << 32)  # as int32
 # Shared memory holds the rotated input at 4 bytes per feature next to 8 KiB of split-K sums.
 MAX_FEATURES = 8192
 FEATURE_MULTIPLE = 128
@@ -108,8 +107,9 @@ class Mcg4Experts:
         self.intermediate = gate.out_features
         self.ext = load_extension()
         self.pdl_supported = torch.cuda.get_device_capability(gate.trellis.device)[0] >= 9
-        # Read by the kernels from memory, not as an immediate: see mcg_hash in the source.
-        self.consts = torch.tensor([MCG_MASK], dtype=torch.int32, device=gate.trellis.device)
+        # Read by the kernels from memory, not as an immediate: see mcg_hash in the source. int64 -> int32
+        # keeps the 32 bits.
+        self.consts = torch.tensor([HALF_PAIR_MASK], dtype=torch.int64).to(torch.int32).to(gate.trellis.device)
 
     def apply(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, shape: LaunchShape | None = None
@@ -136,10 +136,5 @@ class Mcg4Experts:
 
 def exact_mcg_values(states: torch.Tensor) -> torch.Tensor:
     """What this path multiplies by: lo + hi of each state's masked mcg hash, in fp32 (no fp16 rounding)."""
-    x = ((states.to(torch.int64) & 0xFFFF) * MCG_MULTIPLIER) & 0xFFFFFFFF
-    x = (x & (MCG_MASK & 0xFFFFFFFF)) ^ 0x3B603B60
-
-    def half(bits: torch.Tensor) -> torch.Tensor:
-        return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.float16).float()
-
-    return half(x & 0xFFFF) + half(x >> 16)
+    low, high = mcg_halves(states)
+    return low + high
