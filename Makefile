@@ -14,7 +14,7 @@ ENGINE_IMAGE := glm53/engine-cpu:dev
 TORCH_WHEEL := $(firstword $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-cp311-*.whl /opt/wheels/torch-2.13.0+cpu-cp311-*.whl))
 CA_BUNDLE ?= $(firstword $(PIP_CERT) $(wildcard /etc/ssl/certs/ca-certificates.crt))
 
-.PHONY: help venv images engine-image sim-up demo demo-down test lint unit engine molecule clean
+.PHONY: help settings venv images engine-image sim-up demo demo-down test lint unit engine molecule clean
 
 help:
 	@echo "make demo       build the simulated cluster, run site.yml on it, send a chat request"
@@ -72,6 +72,10 @@ demo-down: venv
 	ansible-playbook playbooks/sim/down.yml
 
 test: venv lint unit engine molecule
+
+# Rewrite defaults, the example inventory and docs/settings.md from roles/glm53/meta/argument_specs.yml.
+settings: venv
+	$(BIN)/python -m tools.generate_settings
 
 lint: venv
 	ansible-lint

@@ -19,13 +19,13 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.hf_snapshot import 
     repo_cache_dir,
 )
 
+from tools.sim_model.hub_repos import publish_model
+from tools.sim_model.make_tiny_glm import write_checkpoint
+from tools.sim_model.serve_hub import HubLayout, free_port, olah_config, running_hub
+
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT))
-from tools.sim_model.hub_repos import publish_model  # noqa: E402
-from tools.sim_model.make_tiny_glm import write_checkpoint  # noqa: E402
-from tools.sim_model.serve_hub import HubLayout, free_port, olah_config, running_hub  # noqa: E402
 
 PRIMARY, MIRROR = "sim/tiny-glm", "mirror/tiny-glm"
 

@@ -1,14 +1,12 @@
 """Spec-decode and prefix-cache deltas from recorded vLLM /metrics texts (prometheus_client exposition)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, where bench_decode.py finds benchlib
 
-from benchlib.prometheus_deltas import (  # noqa: E402
+from tools.bench.prometheus_deltas import (
     ACCEPTED,
     DRAFTS,
     PREFIX_QUERIES,
@@ -23,7 +21,7 @@ from benchlib.prometheus_deltas import (  # noqa: E402
     total,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "bench"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "bench"
 
 
 def scrape(name: str) -> dict:

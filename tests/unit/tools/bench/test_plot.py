@@ -3,18 +3,16 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, where bench_decode.py finds benchlib
 
-from rich.console import Console  # noqa: E402
+from rich.console import Console
 
-from benchlib.decode_plot import write_decode_plot  # noqa: E402
-from benchlib.results_table import results_table  # noqa: E402
+from tools.bench.decode_plot import write_decode_plot
+from tools.bench.results_table import results_table
 
-FIXTURES = Path(__file__).parent / "fixtures" / "bench"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "bench"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

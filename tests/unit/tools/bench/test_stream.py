@@ -1,14 +1,12 @@
 """bench_decode's per-request arithmetic on recorded vLLM streams (DFlash2 k=7, bursts of tokens per chunk)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, where bench_decode.py finds benchlib
 
-from benchlib.stream_metrics import (  # noqa: E402
+from tools.bench.stream_metrics import (
     RequestResult,
     Stat,
     StreamEvent,
@@ -20,7 +18,7 @@ from benchlib.stream_metrics import (  # noqa: E402
     summarize_stream,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "bench"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "bench"
 
 
 def recorded(name: str) -> list[StreamEvent]:

@@ -9,16 +9,16 @@ from typing import Any
 
 import openai
 
-from benchlib.phases import COHERENCE_MAX_TOKENS, COHERENCE_PROBES, Phase, check_answer
-from benchlib.prometheus_deltas import (
+from .phases import COHERENCE_MAX_TOKENS, COHERENCE_PROBES, Phase, check_answer
+from .prometheus_deltas import (
     CounterReset,
     PrefixCacheDelta,
     SpecDecodeDelta,
     prefix_cache_delta,
     spec_decode_delta,
 )
-from benchlib.server_probe import Server, ServerError, wait_until_idle
-from benchlib.stream_metrics import (
+from .server_probe import Server, ServerError, wait_until_idle
+from .stream_metrics import (
     RequestResult,
     aggregate_tok_s,
     event_from_chunk,

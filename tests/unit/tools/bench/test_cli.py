@@ -1,4 +1,4 @@
-"""bench_decode.py end to end against a stdlib stand-in for vLLM's OpenAI server on 127.0.0.1.
+"""The bench CLI (python -m tools.bench) end to end against a stdlib stand-in for vLLM's OpenAI server on 127.0.0.1.
 
 The stand-in replays the recorded streams (100x faster) and moves its spec-decode and prefix-cache
 counters by a fixed amount per request, so the deltas the CLI reports are known exactly. The real
@@ -19,13 +19,11 @@ from typing import Any
 
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))  # tests/, where bench_decode.py finds benchlib
+from tools.bench import cli as bench_decode
+from tools.bench.report_schema import validate_report
 
-import bench_decode  # noqa: E402
-from benchlib.report_schema import validate_report  # noqa: E402
-
-FIXTURES = Path(__file__).parent / "fixtures" / "bench"
+REPO = Path(__file__).resolve().parents[4]
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "bench"
 MODEL = "GLM-5.3-Flash-EXL3"
 KEY = "sk-bench-test"
 TIME_SCALE = 0.01
@@ -142,7 +140,7 @@ def fake_server(request: pytest.FixtureRequest) -> Iterator[tuple[FakeVllm, str]
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "GLM53_API_KEY": KEY, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, str(TESTS / "bench_decode.py"), *args], env=env,
+    return subprocess.run([sys.executable, "-m", "tools.bench", *args], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=60, check=False)
 
 

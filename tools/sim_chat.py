@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Send one chat completion to the deployment described by an inventory and print the answer.
 
-    python tests/sim_chat.py --inventory inventory/sim [--check]
+    python tools/sim_chat.py --inventory inventory/sim [--check]
 
 Reads the head's fabric address, API port, served model name and (optional) API key from the
 inventory the same way the playbooks do, then uses the openai client like any user would. With

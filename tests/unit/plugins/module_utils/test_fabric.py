@@ -18,7 +18,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.fabric import (
     select_gid_index,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 SYSFS = FIXTURES / "sysfs"
 IP = ipaddress.IPv4Address
 

@@ -4,21 +4,19 @@ from __future__ import annotations
 import copy
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, where bench_decode.py finds benchlib
 
-from benchlib.prometheus_deltas import parse_metrics, prefix_cache_delta, spec_decode_delta  # noqa: E402
-from benchlib.report_schema import SCHEMA_ID, field_paths, validate_report  # noqa: E402
-from benchlib.runner import LevelRun, level_json  # noqa: E402
-from benchlib.stream_metrics import failed_request, parse_timed_sse, summarize_stream  # noqa: E402
+from tools.bench.prometheus_deltas import parse_metrics, prefix_cache_delta, spec_decode_delta
+from tools.bench.report_schema import SCHEMA_ID, field_paths, validate_report
+from tools.bench.runner import LevelRun, level_json
+from tools.bench.stream_metrics import failed_request, parse_timed_sse, summarize_stream
 
-FIXTURES = Path(__file__).parent / "fixtures" / "bench"
-DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmark-schema.md"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "bench"
+DOC = Path(__file__).resolve().parents[4] / "docs" / "benchmark-schema.md"
 
 
 def example() -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 
 from ansible_collections.sparkops.glm53.plugins.module_utils import selfcheck as sc
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 
 
 def report(ok: bool = True, **check_oks: bool) -> Dict[str, Any]:

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Measure decode speed and speculative-decoding acceptance of a running GLM-5.3 Flash API.
 
-    python tests/bench_decode.py --base-url http://10.0.0.1:8888 --model GLM-5.3-Flash-EXL3 \\
+    python -m tools.bench --base-url http://10.0.0.1:8888 --model GLM-5.3-Flash-EXL3 \\
         [--runs 5] [--max-tokens 400] [--concurrency 1,2,4] [--phases structured,prose,code] \\
         [--out bench-results] [--warmup-wait 300] [--coherence] [--server-info FILE]
 
@@ -24,12 +23,12 @@ from typing import Any
 
 from rich.console import Console
 
-from benchlib.phases import PHASES
-from benchlib.prometheus_deltas import has_spec_decode
-from benchlib.report_schema import SCHEMA_ID, validate_report
-from benchlib.results_table import results_table
-from benchlib.server_info import load_server_info, serve_argv, spec_config
-from benchlib.server_probe import Server, ServerError, wait_until_idle
+from .phases import PHASES
+from .prometheus_deltas import has_spec_decode
+from .report_schema import SCHEMA_ID, validate_report
+from .results_table import results_table
+from .server_info import load_server_info, serve_argv, spec_config
+from .server_probe import Server, ServerError, wait_until_idle
 
 EXIT_OK, EXIT_FAILED_REQUESTS, EXIT_UNUSABLE = 0, 1, 2
 
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported after the checks: the OpenAI client takes seconds to import, a dead server should fail fast.
     import openai
 
-    from benchlib.runner import TEMPERATURE, TOP_P, Benchmark
+    from .runner import TEMPERATURE, TOP_P, Benchmark
 
     snapshot = server.metrics()
     client = openai.OpenAI(base_url=root + "/v1", api_key=server.api_key or "EMPTY",
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = "bench-" + report["created_utc"].replace(":", "").replace("+0000", "Z")
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
     try:
-        from benchlib.decode_plot import write_decode_plot
+        from .decode_plot import write_decode_plot
 
         write_decode_plot(report, png_path)
         report["artifacts"]["plot"] = png_path.name
@@ -173,6 +172,3 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED_REQUESTS
     return EXIT_OK
 
-
-if __name__ == "__main__":
-    sys.exit(main())

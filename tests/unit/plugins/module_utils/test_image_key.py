@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from ansible_collections.sparkops.glm53.plugins.module_utils.image_key import image_layer_key
 
-DOCKER = Path(__file__).parent / "fixtures" / "docker"
+DOCKER = Path(__file__).resolve().parents[2] / "fixtures" / "docker"
 
 
 def inspect(name: str) -> list[dict]:

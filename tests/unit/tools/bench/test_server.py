@@ -2,20 +2,18 @@
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, where bench_decode.py finds benchlib
 
-from benchlib.phases import PHASES, check_answer  # noqa: E402
-from benchlib.prometheus_deltas import Snapshot, parse_metrics  # noqa: E402
-from benchlib.server_info import load_server_info, serve_argv, spec_config  # noqa: E402
-from benchlib.server_probe import ServerError, wait_until_idle  # noqa: E402
+from tools.bench.phases import PHASES, check_answer
+from tools.bench.prometheus_deltas import Snapshot, parse_metrics
+from tools.bench.server_info import load_server_info, serve_argv, spec_config
+from tools.bench.server_probe import ServerError, wait_until_idle
 
-FIXTURES = Path(__file__).parent / "fixtures" / "bench"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "bench"
 IDLE = parse_metrics((FIXTURES / "metrics_before.txt").read_text())
 BUSY = parse_metrics((FIXTURES / "metrics_busy.txt").read_text())
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchlib.prometheus_deltas import Snapshot, parse_metrics, requests_in_flight
+from .prometheus_deltas import Snapshot, parse_metrics, requests_in_flight
 
 
 class ServerError(RuntimeError):

@@ -13,7 +13,7 @@ from typing import Dict, List
 
 from ansible_collections.sparkops.glm53.plugins.module_utils import run_lock as rl
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 FIRST = rl.Holder(token="run-a", owner="alice@laptop pid 4242", controller="laptop", pid=4242,
                   playbook="site.yml", since=1000.0)
 SECOND = rl.Holder(token="run-b", owner="bob@desk pid 7", controller="desk", pid=7, playbook="site.yml")

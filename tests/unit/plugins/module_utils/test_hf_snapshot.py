@@ -72,9 +72,19 @@ def request(cache: Path, **kw) -> SnapshotRequest:
                            cache_dir=str(cache), **kw)
 
 
-def test_candidates_keep_order_parse_pins_and_drop_duplicates():
-    got = candidate_sources("o/p", ["o/mirror@" + SHA_B, "o/other", "o/p"], "main")
-    assert got == [SnapshotSource("o/p", "main"), SnapshotSource("o/mirror", SHA_B), SnapshotSource("o/other", "main")]
+def test_candidates_keep_order_each_with_its_own_revision_and_drop_duplicates():
+    fallbacks = [SnapshotSource("o/mirror", SHA_B), SnapshotSource("o/other", "v2"), SnapshotSource("o/p", "main")]
+    got = candidate_sources("o/p", "main", fallbacks)
+    assert got == [SnapshotSource("o/p", "main"), SnapshotSource("o/mirror", SHA_B), SnapshotSource("o/other", "v2")]
+
+
+def test_a_fallback_is_asked_for_its_own_pin_not_the_primary_sha(cache):
+    # The primary is pinned at SHA_A; the mirror only has SHA_B: asked for SHA_A it would not be found.
+    hub = FakeHub(cache, {"org/mirror": (SHA_B, FILES)})
+    result = ensure_snapshot(request(cache, fallbacks=(SnapshotSource("org/mirror", SHA_B),)), lambda: hub)
+    assert (result.repo_id, result.revision) == ("org/mirror", SHA_B)
+    assert result.attempts == [{"repo_id": "org/primary", "revision": SHA_A,
+                                "error": "org/primary: RepositoryNotFoundError"}]
 
 
 def test_patterns_select_like_huggingface_hub():
@@ -140,7 +150,7 @@ def test_only_missing_and_wrong_size_files_are_fetched(cache):
 
 def test_missing_primary_falls_back_in_order(cache):
     hub = FakeHub(cache, {"org/second": (SHA_B, FILES)})
-    req = request(cache, fallback_repo_ids=("org/first", "org/second@" + SHA_B))
+    req = request(cache, fallbacks=(SnapshotSource("org/first", SHA_A), SnapshotSource("org/second", SHA_B)))
     result = ensure_snapshot(req, lambda: hub)
     assert result.repo_id == "org/second" and result.revision == SHA_B
     assert hub.listed == ["org/primary", "org/first", "org/second"]
@@ -151,17 +161,17 @@ def test_missing_primary_falls_back_in_order(cache):
 def test_incomplete_primary_falls_back_and_keeps_its_manifest(cache):
     hub = FakeHub(cache, {"org/primary": (SHA_A, FILES), "org/mirror": (SHA_B, FILES)})
     hub.broken.add(("org/primary", "tokenizer.json"))
-    result = ensure_snapshot(request(cache, fallback_repo_ids=("org/mirror@" + SHA_B,)), lambda: hub)
+    result = ensure_snapshot(request(cache, fallbacks=(SnapshotSource("org/mirror", SHA_B),)), lambda: hub)
     assert result.repo_id == "org/mirror" and "404" in result.attempts[0]["error"]
     # The partial primary is not mistaken for complete on the next run.
     assert os.path.exists(manifest_path(str(cache), "org/primary", SHA_A))
-    assert ensure_snapshot(request(cache, fallback_repo_ids=("org/mirror@" + SHA_B,)), no_hub).repo_id == "org/mirror"
+    assert ensure_snapshot(request(cache, fallbacks=(SnapshotSource("org/mirror", SHA_B),)), no_hub).repo_id == "org/mirror"
 
 
 def test_all_candidates_failing_names_every_attempt(cache):
     hub = FakeHub(cache, {})
     with pytest.raises(SnapshotError) as err:
-        ensure_snapshot(request(cache, fallback_repo_ids=("org/x",)), lambda: hub)
+        ensure_snapshot(request(cache, fallbacks=(SnapshotSource("org/x", "main"),)), lambda: hub)
     assert [a["repo_id"] for a in err.value.attempts] == ["org/primary", "org/x"]
 
 

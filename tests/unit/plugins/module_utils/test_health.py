@@ -16,7 +16,7 @@ import pytest
 
 from ansible_collections.sparkops.glm53.plugins.module_utils import health as h
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 HEAD = h.Rank(0, "spark1", "glm53-rank0")
 WORKER = h.Rank(1, "spark2", "glm53-rank1", "root@10.0.0.2")
 MODEL = "GLM-5.3-Flash-EXL3"

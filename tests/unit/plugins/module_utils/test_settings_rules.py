@@ -1,0 +1,81 @@
+"""Every setting is checked for type, range and meaning on every run, features on or off."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ansible_collections.sparkops.glm53.plugins.module_utils.settings_rules import RULES, settings_errors
+
+REPO = Path(__file__).resolve().parents[4]
+SPEC = yaml.safe_load((REPO / "roles/glm53/meta/argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
+DEFAULTS = yaml.safe_load((REPO / "roles/glm53/defaults/main.yml").read_text())
+
+
+def errors_for(**changes: Any) -> list[str]:
+    return settings_errors({**DEFAULTS, **changes}, SPEC)
+
+
+def test_the_shipped_defaults_pass() -> None:
+    assert errors_for() == []
+
+
+def test_every_rule_names_a_setting_of_the_spec() -> None:
+    assert set(RULES) <= set(SPEC)
+
+
+@pytest.mark.parametrize(("name", "value", "allowed"), [
+    # A disabled feature's value is still checked: it would fail the day the feature is switched on.
+    ("glm53_ablation_alpha", 0.0, "> 0"),
+    ("glm53_ablation_alpha", -1, "> 0"),
+    ("glm53_ablation_layers", "15..45", "layer ranges"),
+    ("glm53_dflash_tokens", 0, "in [1, 16]"),
+    ("glm53_mtp_tokens", 0, "in [1, 8]"),
+    ("glm53_served_model_name", "  ", "non-empty"),
+    # Docker refuses these names at `docker run`, after the old ranks were already removed.
+    ("glm53_container_prefix", "glm53 rank", "container name"),
+    ("glm53_container_prefix", "-rank", "container name"),
+    ("glm53_port", 0, "in [1, 65535]"),
+    ("glm53_port", 70000, "in [1, 65535]"),
+    ("glm53_gpu_memory_utilization", 0, "in (0, 1]"),
+    ("glm53_gpu_memory_utilization", 1.2, "in (0, 1]"),
+    ("glm53_model_repo", "no-slash", "repo id"),
+    ("glm53_model_fallback_repos", [{"repo": "a/b", "revision": "has space"}], "Hugging Face repos"),
+    ("glm53_draft_revision", "", "branch, tag or commit"),
+    ("glm53_hf_endpoint", "hub.local:8090", "http(s)"),
+    ("glm53_hf_cache_dir", "relative/dir", "absolute path"),
+    ("glm53_api_bind", "localhost:8888", "IP address"),
+    ("glm53_shm_size", "32 GB", "docker size"),
+    ("glm53_image", "", "image reference"),
+    ("glm53_image_platform", "arm64", "platform"),
+    ("glm53_limit_mm", {"image": -1}, "count >= 0"),
+    ("glm53_engine_env", {"BAD NAME": "1"}, "environment variable"),
+    ("glm53_canary_max_tokens", 0, ">= 1"),
+])
+def test_a_value_that_cannot_be_right_names_the_setting_and_what_is_allowed(name: str, value: Any,
+                                                                             allowed: str) -> None:
+    errors = errors_for(**{name: value})
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(name) and allowed in errors[0]
+
+
+def test_types_come_from_the_spec_and_strings_from_the_command_line_convert() -> None:
+    assert errors_for(glm53_port="8080", glm53_enforce_eager="yes", glm53_ablation_alpha="1.5") == []
+    [error] = errors_for(glm53_port="eighty")
+    assert error.startswith("glm53_port:") and "int" in error
+
+
+def test_choices_come_from_the_spec() -> None:
+    [error] = errors_for(glm53_spec_method="eagle")
+    assert error == "glm53_spec_method must be one of dflash, mtp, none (got 'eagle')"
+
+
+def test_every_bad_setting_is_reported_at_once() -> None:
+    errors = errors_for(glm53_port=0, glm53_ablation_alpha=0, glm53_container_prefix="a b")
+    assert [e.split()[0] for e in errors] == ["glm53_port", "glm53_container_prefix", "glm53_ablation_alpha"]
+
+
+def test_unknown_names_and_unset_per_host_pins_are_ignored() -> None:
+    assert settings_errors({"glm53_not_a_setting": object(), "glm53_ib_gid_index": None}, SPEC) == []
