@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: MIT
+"""What every setting may hold beyond its type: ranges, formats and meaning.
+
+Ansible's argument spec (roles/glm53/meta/argument_specs.yml, the source of every setting) checks types and
+choices when the role starts; its schema has no room for ranges or formats, so they live here, in one table
+keyed by setting name. `settings_errors` applies the spec's types and choices and this table to every setting
+on every run, whether or not the feature that uses it is on: a bad value in a disabled feature is still a bad
+value, and it would otherwise surface only the day someone turns the feature on.
+Cross-setting rules of the serve command (dflash needs a draft, ...) stay in serve_argv.validate_settings.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ansible_collections.sparkops.glm53.plugins.module_utils.serve_argv import as_bool, as_float, as_int, as_str
+
+# A check returns None when the (already type-converted) value is fine, else what is allowed.
+Check = Callable[[Any], "str | None"]
+
+_HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# Docker's own container-name rule: refused names fail at `docker run`, after the old ranks are gone.
+_DOCKER_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]*$")
+_DOCKER_SIZE = re.compile(r"^[0-9]+[bkmgBKMG]?$")
+_IMAGE_REF = re.compile(r"^[a-z0-9][a-z0-9._/:@-]*[a-zA-Z0-9_]$")
+_PLATFORM = re.compile(r"^[a-z0-9]+/[a-z0-9_]+(/[a-z0-9]+)?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_LAYERS = re.compile(r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$")
+
+
+def at_least(low: float) -> Check:
+    return lambda v: None if v >= low else f">= {low:g}"
+
+
+def between(low: float, high: float, *, low_open: bool = False) -> Check:
+    def check(v: float) -> str | None:
+        ok = (v > low if low_open else v >= low) and v <= high
+        return None if ok else f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+    return check
+
+
+def matches(pattern: re.Pattern[str], what: str, *, empty_ok: bool = False) -> Check:
+    def check(v: str) -> str | None:
+        if v == "" and empty_ok:
+            return None
+        return None if pattern.match(v) else what + (" or empty" if empty_ok else "")
+    return check
+
+
+def positive(v: float) -> str | None:
+    return None if 0 < v < float("inf") else "> 0"
+
+
+def nonempty(v: str) -> str | None:
+    return None if v.strip() else "a non-empty string"
+
+
+def absolute_path_or_empty(v: str) -> str | None:
+    return None if v == "" or v.startswith("/") else "an absolute path, or empty for the default"
+
+
+def url_or_empty(v: str) -> str | None:
+    return None if v == "" or re.match(r"^https?://[^\s/]+", v) else "an http(s):// URL, or empty"
+
+
+def address_or_empty(v: str) -> str | None:
+    if v == "":
+        return None
+    try:
+        ipaddress.ip_address(v)
+    except ValueError:
+        return "an IP address to listen on, or empty for every address"
+    return None
+
+
+def revision(v: str) -> str | None:
+    return None if v and not re.search(r"\s", v) else "a branch, tag or commit sha without spaces"
+
+
+def repo_list(v: list[Any]) -> str | None:
+    """Fallback repos: `org/name` strings or {repo, revision} mappings (a revision belongs to one repo)."""
+    for item in v:
+        repo = item.get("repo") if isinstance(item, Mapping) else item
+        rev = item.get("revision", "main") if isinstance(item, Mapping) else "main"
+        if not isinstance(repo, str) or not _HF_REPO.match(repo) or not isinstance(rev, str) or revision(rev):
+            return "a list of Hugging Face repos (org/name, or {repo: org/name, revision: sha})"
+    return None
+
+
+def mm_limits(v: Mapping[str, Any]) -> str | None:
+    ok = all(isinstance(k, str) and not isinstance(n, bool) and isinstance(n, int) and n >= 0 for k, n in v.items())
+    return None if ok else "a mapping of modality to a count >= 0, such as {image: 4, video: 1}"
+
+
+def env_mapping(v: Mapping[str, Any]) -> str | None:
+    ok = all(isinstance(k, str) and _ENV_NAME.match(k) and isinstance(x, (str, int, float)) for k, x in v.items())
+    return None if ok else "a mapping of environment variable names to string values"
+
+
+def string_list(v: list[Any]) -> str | None:
+    return None if all(isinstance(x, str) for x in v) else "a list of strings"
+
+
+def layer_spec(v: str) -> str | None:
+    return None if _LAYERS.match(v) else "inclusive layer ranges and lists such as 15-45 or 1,3,5-7"
+
+
+RULES: dict[str, Check] = {
+    "glm53_group": nonempty,
+    "glm53_head_ip": nonempty,
+    "glm53_port": between(1, 65535),
+    "glm53_master_port": between(1, 65535),
+    "glm53_api_bind": address_or_empty,
+    "glm53_tensor_parallel_size": at_least(0),
+    "glm53_pipeline_parallel_size": at_least(1),
+    "glm53_model_repo": matches(_HF_REPO, "a Hugging Face repo id, org/name"),
+    "glm53_model_fallback_repos": repo_list,
+    "glm53_model_revision": revision,
+    "glm53_draft_repo": matches(_HF_REPO, "a Hugging Face repo id, org/name"),
+    "glm53_draft_revision": revision,
+    "glm53_hf_endpoint": url_or_empty,
+    "glm53_hf_cache_dir": absolute_path_or_empty,
+    "glm53_hf_allow_patterns": string_list,
+    "glm53_hf_ignore_patterns": string_list,
+    "glm53_image": matches(_IMAGE_REF, "an image reference such as registry/name:tag"),
+    "glm53_image_platform": matches(_PLATFORM, "one platform such as linux/arm64", empty_ok=True),
+    "glm53_served_model_name": nonempty,
+    "glm53_max_model_len": at_least(1),
+    "glm53_gpu_memory_utilization": between(0, 1, low_open=True),
+    "glm53_max_num_seqs": at_least(1),
+    "glm53_max_num_batched_tokens": at_least(1),
+    "glm53_limit_mm": mm_limits,
+    "glm53_dflash_tokens": between(1, 16),
+    "glm53_mtp_tokens": between(1, 8),
+    "glm53_draft_tensor_parallel_size": at_least(1),
+    "glm53_extra_serve_args": string_list,
+    "glm53_engine_env": env_mapping,
+    "glm53_container_prefix": matches(_DOCKER_NAME, "a docker container name prefix ([a-zA-Z0-9][a-zA-Z0-9_.-]*)"),
+    "glm53_shm_size": matches(_DOCKER_SIZE, "a docker size such as 32g or 1024m"),
+    "glm53_stop_timeout": at_least(0),
+    "glm53_cache_dir": absolute_path_or_empty,
+    "glm53_ready_timeout": at_least(1),
+    "glm53_health_poll_interval": at_least(1),
+    "glm53_canary_prompt": nonempty,
+    "glm53_canary_max_tokens": at_least(1),
+    "glm53_log_tail": at_least(0),
+    "glm53_lock_timeout": at_least(0),
+    "glm53_ablation_layers": layer_spec,
+    "glm53_ablation_alpha": positive,
+    "glm53_ablation_donor_dir": absolute_path_or_empty,
+}
+
+_CONVERT: dict[str, Callable[[Any], Any]] = {
+    "int": as_int,
+    "float": as_float,
+    "bool": as_bool,
+    "str": as_str,
+}
+
+
+def _typed(value: Any, kind: str) -> Any:
+    """The value as Ansible's argument spec would accept it (`-e` hands over strings), or ValueError."""
+    if kind in _CONVERT:
+        return _CONVERT[kind](value)
+    if kind == "list" and not isinstance(value, list):
+        raise ValueError(f"{value!r} is not a list")
+    if kind == "dict" and not isinstance(value, Mapping):
+        raise ValueError(f"{value!r} is not a mapping")
+    return value
+
+
+def settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Every setting in `settings` that its spec entry or its rule refuses, each message naming it."""
+    errors = []
+    for name, value in settings.items():
+        entry = spec.get(name)
+        if entry is None or (value is None and not entry.get("required")):
+            continue
+        try:
+            value = _typed(value, entry.get("type", "raw"))
+        except ValueError as exc:
+            errors.append(f"{name}: {exc}; expected {entry.get('type')}")
+            continue
+        if "choices" in entry and value not in entry["choices"]:
+            errors.append(f"{name} must be one of {', '.join(map(str, entry['choices']))} (got {value!r})")
+            continue
+        check = RULES.get(name)
+        allowed = check(value) if check else None
+        if allowed:
+            errors.append(f"{name} must be {allowed} (got {settings[name]!r})")
+    return errors
