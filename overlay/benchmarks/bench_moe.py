@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from glm53_overlay.exl3 import cuda_moe, gpu_checks
+from glm53_overlay.exl3 import gpu_checks, runtime
 
 SHAPE = gpu_checks.GLM53_FLASH_RANK
 
@@ -65,10 +65,10 @@ class Bf16GroupedMoE:
         return out.to(x.dtype)
 
 
-def per_expert_exl3(layer: cuda_moe.Exl3CudaExperts, x, ids, w) -> torch.Tensor:
+def per_expert_exl3(layer: runtime.Exl3CudaExperts, x, ids, w) -> torch.Tensor:
     """exllamav3's per-expert path: one exl3_gemm per projection per routed expert (host-synced counts)."""
     x16 = x.half()
-    counts, token_sorted, weight_sorted = cuda_moe.routing_tables(ids, w, layer.num_experts)
+    counts, token_sorted, weight_sorted = runtime.routing_tables(ids, w, layer.num_experts)
     out = torch.zeros((x.shape[0], layer.hidden), dtype=torch.float32, device=x.device)
     start = 0
     for expert, count in enumerate(counts.tolist()[: layer.num_experts]):
@@ -80,9 +80,9 @@ def per_expert_exl3(layer: cuda_moe.Exl3CudaExperts, x, ids, w) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def coop_chunked(layer: cuda_moe.Exl3CudaExperts, x, ids, w) -> torch.Tensor:
+def coop_chunked(layer: runtime.Exl3CudaExperts, x, ids, w) -> torch.Tensor:
     """exllamav3's exl3_moe_coop on chunks of its 8-token limit (graph safe, no host sync)."""
-    step = cuda_moe.DECODE_MAX_TOKENS
+    step = runtime.DECODE_MAX_TOKENS
     chunks = [layer.apply_decode(x[i : i + step].half(), ids[i : i + step], w[i : i + step]).to(x.dtype, copy=True)
               for i in range(0, x.shape[0], step)]
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
@@ -176,12 +176,12 @@ def main() -> int:
         paths = {
             "ours": (layer.apply, True, expert_bytes_exl3),
             "exl3_per_expert": (lambda x, i, w: per_expert_exl3(layer, x, i, w), False, expert_bytes_exl3),
-            "exl3_moe_fused": (lambda x, i, w: layer.apply_fused(x.half(), i, w).to(x.dtype), tokens <= cuda_moe.FUSED_ROWS, expert_bytes_exl3),
+            "exl3_moe_fused": (lambda x, i, w: layer.apply_fused(x.half(), i, w).to(x.dtype), tokens <= runtime.FUSED_ROWS, expert_bytes_exl3),
             "bf16_grouped_mm": (bf16.apply, True, expert_bytes_bf16),
         }
-        if layer.ours is not None and cuda_moe.MCG4_MAX_TOKENS < tokens <= MCG4_SHOWN_UP_TO:
+        if layer.ours is not None and runtime.MCG4_MAX_TOKENS < tokens <= MCG4_SHOWN_UP_TO:
             paths["mcg4_unused"] = (layer.ours.apply, True, expert_bytes_exl3)
-        if tokens <= cuda_moe.COOP_CHUNKED_MAX_TOKENS:
+        if tokens <= runtime.COOP_CHUNKED_MAX_TOKENS:
             paths["exl3_moe_coop"] = (lambda x, i, w: coop_chunked(layer, x, i, w), True, expert_bytes_exl3)
         for name, (fn, graphable, per_expert) in paths.items():
             try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from glm53_overlay.exl3 import cuda_moe, gpu_checks
+from glm53_overlay.exl3 import gpu_checks, runtime
 
 SHAPE = gpu_checks.GLM53_FLASH_RANK
 TOKENS = (1, 2, 4, 8, 16, 64, 512)
@@ -47,18 +47,18 @@ def main() -> int:
     results = []
     # exllamav3's coop kernels, which `apply` no longer picks for K=4 mcg, checked directly as well.
     coop = [(f"{name} coop", tokens, x, ids, w) for name, tokens, x, ids, w in cases
-            if tokens <= cuda_moe.DECODE_MAX_TOKENS]
+            if tokens <= runtime.DECODE_MAX_TOKENS]
     for name, tokens, x, ids, w in cases + coop:
         gpu_checks.poison_scratch()
         if name.endswith("coop"):
-            out, path = layer.apply_decode(x.half(), ids, w), cuda_moe.PATH_COOP
+            out, path = layer.apply_decode(x.half(), ids, w), runtime.PATH_COOP
         else:
             out, path = layer.apply(x, ids, w), layer.path_for(tokens)
         torch.cuda.synchronize()
         ref = gpu_checks.reference_moe(dense, x.half(), ids, w, SHAPE.act_limit)
         err = gpu_checks.rel_err(out, ref)
         max_count = int(torch.bincount(ids.flatten(), minlength=SHAPE.experts).max())
-        if path == cuda_moe.PATH_FUSED and max_count > cuda_moe.FUSED_ROWS:
+        if path == runtime.PATH_FUSED and max_count > runtime.FUSED_ROWS:
             path = "exl3_moe + exl3_gemm"
         results.append({
             "case": name, "tokens": tokens, "path": path, "max_rows_per_expert": max_count,
@@ -73,7 +73,7 @@ def main() -> int:
     for g in graphs:
         # Ours and the coop kernels sum in a fixed order (replay == eager bit for bit); exl3_moe adds
         # with atomics, so replay and eager may differ by rounding there.
-        exact = layer.path_for(g["tokens"]) != cuda_moe.PATH_FUSED
+        exact = layer.path_for(g["tokens"]) != runtime.PATH_FUSED
         g["replay_must_equal_eager"] = exact
         g["pass"] = all(e <= REL_TOL for e in g["rel_err_vs_reference"]) and (
             max(g["max_abs_diff_vs_eager"]) == 0.0 if exact else True)

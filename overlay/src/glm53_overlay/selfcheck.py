@@ -75,10 +75,10 @@ def _require_cuda() -> None:
 
 def check_exl3_cuda_kernels() -> tuple[bool, str]:
     _require_cuda()
-    from glm53_overlay.exl3 import cuda_moe
+    from glm53_overlay.exl3 import runtime
 
-    ext = cuda_moe.load_kernels()
-    return True, f"{ext.__name__} with {', '.join(cuda_moe.REQUIRED_KERNELS)}"
+    ext = runtime.load_kernels()
+    return True, f"{ext.__name__} with {', '.join(runtime.REQUIRED_KERNELS)}"
 
 
 def check_exl3_gemm_k4_mcg() -> tuple[bool, str]:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from glm53_overlay.exl3 import cuda_moe
+from glm53_overlay.exl3 import runtime
+from glm53_overlay.exl3.packing import PackedProjection
 from glm53_overlay.exl3.reference import dequantize
 
 # ||out - ref|| / ||ref||. MoE: fp16 activations and fp16 rotated inputs inside the kernels, fp32 sums.
@@ -40,18 +41,18 @@ SELFCHECK_SHAPE = MoeShape(hidden=512, experts=16, top_k=4, intermediate=256)
 
 def random_projection(
     experts: int, k: int, n: int, out_scale: float, bits: int, gen: torch.Generator, device: str
-) -> cuda_moe.PackedProjection:
+) -> PackedProjection:
     trellis = torch.randint(-(1 << 15), 1 << 15, (experts, k // 16, n // 16, 16 * bits), generator=gen,
                             dtype=torch.int32)
     signs = torch.randint(0, 2, (experts, k + n), generator=gen).float() * 2 - 1
     mags = 0.8 + 0.4 * torch.rand((experts, k + n), generator=gen)
     scales = (signs * mags).half()
     suh, svh = scales[:, :k], (scales[:, k:].float() * out_scale).half()
-    return cuda_moe.PackedProjection(trellis.to(torch.int16).to(device), suh.contiguous().to(device),
+    return PackedProjection(trellis.to(torch.int16).to(device), suh.contiguous().to(device),
                                      svh.contiguous().to(device), bits)
 
 
-def make_layer(shape: MoeShape, seed: int = 0, device: str = "cuda") -> cuda_moe.Exl3CudaExperts:
+def make_layer(shape: MoeShape, seed: int = 0, device: str = "cuda") -> runtime.Exl3CudaExperts:
     gen = torch.Generator().manual_seed(seed)
     # Scales put gate/up pre-activations near N(0, 4^2), so the clamp at 10 engages on some lanes.
     gate_up_scale = 4 / shape.hidden**0.5
@@ -59,11 +60,11 @@ def make_layer(shape: MoeShape, seed: int = 0, device: str = "cuda") -> cuda_moe
     up = random_projection(shape.experts, shape.hidden, shape.intermediate, gate_up_scale, shape.bits, gen, device)
     down = random_projection(shape.experts, shape.intermediate, shape.hidden, 1 / shape.intermediate**0.5,
                              shape.bits, gen, device)
-    return cuda_moe.Exl3CudaExperts(gate, up, down, codebook=shape.codebook, top_k=shape.top_k,
+    return runtime.Exl3CudaExperts(gate, up, down, codebook=shape.codebook, top_k=shape.top_k,
                                     act_limit=shape.act_limit)
 
 
-def dense_weights(layer: cuda_moe.Exl3CudaExperts) -> dict[str, torch.Tensor]:
+def dense_weights(layer: runtime.Exl3CudaExperts) -> dict[str, torch.Tensor]:
     """Exact fp16 W [E, in, out] of every expert through the reference decoder (on the layer's device)."""
     return {
         name: torch.stack([dequantize(p.trellis[e], p.suh[e], p.svh[e], codebook=layer.codebook)  # type: ignore[arg-type]
@@ -117,13 +118,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def poison_scratch() -> None:
     """NaN-fill the kernels' output scratch so a path that skips writing shows up as NaN."""
-    for scratch in cuda_moe._SCRATCH.values():
+    for scratch in runtime._SCRATCH.values():
         if "out" in scratch:
             scratch["out"].fill_(float("nan"))
 
 
 def graph_replays(
-    layer: cuda_moe.Exl3CudaExperts, dense: dict[str, torch.Tensor], shape: MoeShape, tokens: int,
+    layer: runtime.Exl3CudaExperts, dense: dict[str, torch.Tensor], shape: MoeShape, tokens: int,
     gen: torch.Generator, replays: int = 3,
 ) -> tuple[list[float], list[float]]:
     """Capture `apply` in a CUDA graph, replay it on fresh inputs: (rel err vs reference, max |replay - eager|)."""
@@ -152,7 +153,7 @@ def gemm_k4_mcg_rel_err(seed: int = 0) -> float:
     gen = torch.Generator().manual_seed(seed)
     proj = random_projection(1, 256, 512, 1.0, 4, gen, "cuda")
     x = torch.randn((4, 256), generator=gen).half().cuda()
-    ext = cuda_moe.load_kernels()
+    ext = runtime.load_kernels()
     y = torch.empty((4, 512), dtype=torch.half, device="cuda")
     ext.exl3_gemm(x, proj.trellis[0], y, proj.suh[0], torch.empty_like(x), proj.svh[0], -1, True, False, 0)
     w = dequantize(proj.trellis[0], proj.suh[0], proj.svh[0], codebook="mcg")

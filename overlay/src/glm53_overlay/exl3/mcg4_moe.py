@@ -15,17 +15,15 @@ sm_90 for an H200, 12.1a for a GB10) and cached under TORCH_EXTENSIONS_DIR.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from glm53_overlay.exl3.codebook import HALF_PAIR_MASK, mcg_halves
-
-if TYPE_CHECKING:
-    from glm53_overlay.exl3.cuda_moe import PackedProjection
+from glm53_overlay.exl3.packing import PackedProjection
 
 SOURCE = Path(__file__).with_name("csrc") / "mcg4_moe.cu"
 EXTENSION_NAME = "glm53_exl3_mcg4_moe"
@@ -38,7 +36,7 @@ FEATURE_MULTIPLE = 128
 @dataclass(frozen=True)
 class LaunchShape:
     """Warps per block of the gate/up and down kernels, and whether down and combine start as
-    programmatic dependents of the kernel before them (sm_90+)."""
+    programmatic dependents of the kernel before them."""
 
     gate_up_warps: int = 8
     down_warps: int = 8
@@ -51,17 +49,47 @@ class LaunchShape:
 
 
 WARP_CHOICES = (4, 8, 16)
-# Fastest shape per token count, from benchmarks/tune_mcg4.py on the H200 (results/tune_mcg4.json); a
-# count takes the shape of the largest entry at or below it.
-TUNED_SHAPES: dict[int, LaunchShape] = {
+# Programmatic dependent launch only on SM 9.x (Hopper) and 10.x (datacenter Blackwell). The recipe gates
+# vLLM's PDL the same way because on SM12x (GB10 is sm_121) it races the KDA state kernels; our kernels
+# share the stream with them, so ours stay off there too. Below 9.0 the hardware has none.
+PDL_MAJORS = (9, 10)
+# Fastest shape per token count, from benchmarks/tune_mcg4.py on the H200 (sm_90, 132 SMs;
+# results/tune_mcg4.json); a count takes the shape of the largest entry at or below it.
+H200_SHAPES: dict[int, LaunchShape] = {
     1: LaunchShape(gate_up_warps=8, down_warps=8),
     8: LaunchShape(gate_up_warps=8, down_warps=4),
 }
+# Tuned tables by compute capability. Every other device (GB10's sm_121 with 48 SMs included) runs the H200
+# shapes as a fallback: the grids do not depend on the shape (blocks = columns/16 x pairs), only the
+# warps that share one block's K loop do, and the register budget (24 warps per SM) is the same on both,
+# so the H200 choice is a sound start, not a measured optimum. tune_mcg4.py on a GB10 fills an entry.
+TUNED_SHAPES: dict[tuple[int, int], dict[int, LaunchShape]] = {(9, 0): H200_SHAPES}
 
 
-def launch_shape(tokens: int) -> LaunchShape:
-    """The tuned shape for this many tokens."""
-    return TUNED_SHAPES[max(t for t in TUNED_SHAPES if t <= max(tokens, 1))]
+def pdl_allowed(capability: tuple[int, int] | None) -> bool:
+    """Whether PDL may be used on a device of this compute capability (None: not a CUDA device)."""
+    return capability is not None and capability[0] in PDL_MAJORS
+
+
+def shapes_for(capability: tuple[int, int] | None) -> tuple[dict[int, LaunchShape], str]:
+    """The launch-shape table for a device and where it comes from (reports print it)."""
+    if capability in TUNED_SHAPES:
+        return TUNED_SHAPES[capability], f"tuned on sm_{capability[0]}{capability[1]}"
+    where = f"sm_{capability[0]}{capability[1]}" if capability else "a non-CUDA device"
+    return H200_SHAPES, f"H200 (sm_90) shapes as the fallback on {where} (not tuned there)"
+
+
+def launch_shape(tokens: int, capability: tuple[int, int] | None = (9, 0)) -> LaunchShape:
+    """The launch options for this many tokens on a device of this capability: its tuned (or fallback)
+    shape, with PDL only where `pdl_allowed`."""
+    table, _ = shapes_for(capability)
+    shape = table[max(t for t in table if t <= max(tokens, 1))]
+    return replace(shape, pdl=shape.pdl and pdl_allowed(capability))
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """Compute capability of a CUDA device; None for any other device (the CPU stand-ins in tests)."""
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None  # type: ignore[return-value]
 
 
 class Mcg4Unavailable(RuntimeError):
@@ -106,7 +134,7 @@ class Mcg4Experts:
         self.hidden = gate.in_features
         self.intermediate = gate.out_features
         self.ext = load_extension()
-        self.pdl_supported = torch.cuda.get_device_capability(gate.trellis.device)[0] >= 9
+        self.capability = device_capability(gate.trellis.device)
         # Read by the kernels from memory, not as an immediate: see mcg_hash in the source. int64 -> int32
         # keeps the 32 bits.
         self.consts = torch.tensor([HALF_PAIR_MASK], dtype=torch.int64).to(torch.int32).to(gate.trellis.device)
@@ -116,8 +144,10 @@ class Mcg4Experts:
     ) -> torch.Tensor:
         """sum_j w[t, j] * expert_j(x[t]) for x [T, hidden] fp16/bf16 (fp32 is cast to bf16); returns x's dtype."""
         tokens, top_k = topk_ids.shape
-        shape = shape or launch_shape(tokens)
+        shape = shape or launch_shape(tokens, self.capability)
         shape.check()
+        # An explicit shape (the tuner, the PDL benchmark) may ask for PDL; the device gate still applies.
+        pdl = shape.pdl and pdl_allowed(self.capability)
         xin = x if x.dtype in (torch.float16, torch.bfloat16) else x.to(torch.bfloat16)
         ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int64)
         pairs = tokens * top_k
@@ -129,9 +159,13 @@ class Mcg4Experts:
             xin.contiguous(), ids.contiguous(), topk_weights.to(torch.float32).contiguous(),
             g.trellis, g.suh, g.svh, u.trellis, u.suh, u.svh, d.trellis, d.suh, d.svh,
             gu, y, out, self.consts, self.act_limit, shape.gate_up_warps, shape.down_warps,
-            shape.pdl and self.pdl_supported, torch.cuda.current_stream(x.device).cuda_stream,
+            pdl, _stream_handle(x.device),
         )
         return out
+
+
+def _stream_handle(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 def exact_mcg_values(states: torch.Tensor) -> torch.Tensor:

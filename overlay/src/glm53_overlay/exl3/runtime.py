@@ -1,4 +1,6 @@
-"""CUDA MoE apply for EXL3 routed experts: experts stay packed, exllamav3's kernels run them.
+"""The EXL3 MoE kernel runtime: binds exllamav3's kernels (and ours, `mcg4_moe`), picks the kernels by
+token count, and runs a layer's packed experts through them. Torch only; the vLLM method is in `moe.py`,
+the packed layout and tensor-parallel slicing in `packing.py`.
 
 Each projection (gate, up, down) keeps its experts' trellis / suh / svh stacked in one tensor, with
 int64 device tables of per-expert pointers, the layout exllamav3's multi-expert kernels read.
@@ -35,14 +37,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
 
 from glm53_overlay.exl3 import mcg4_moe
-from glm53_overlay.exl3.trellis import TILE, bits_per_weight
+from glm53_overlay.exl3.hadamard import HADAMARD_BLOCK
+from glm53_overlay.exl3.packing import PackedProjection, slice_for_rank
 
 # Our K=4 mcg decode kernels run up to here; above, exllamav3's exl3_moe decodes each routed expert once
 # for all its rows and wins (H200, 2026-11-30: see benchmarks/README.md).
@@ -57,7 +59,6 @@ COOP_CHUNKED_MAX_TOKENS = 16
 # exllamav3's CUDA default for the fused kernel's rows per expert (EXL3_MOE_FUSED_ROWS).
 FUSED_ROWS = 128
 COOP_MAX_SLOTS = 256
-HADAMARD_BLOCK = 128
 # Kernel ids shared by exl3_moe (MOE_ACT_SILU) and exl3_moe_coop (MOE_COOP_ACT_SILU).
 ACT_SILU = 0
 REQUIRED_KERNELS = (
@@ -112,88 +113,6 @@ def load_kernels() -> Any:
     return ext
 
 
-@dataclass(frozen=True)
-class PackedProjection:
-    """One projection of every local expert, stacked: trellis [E, k/16, n/16, 16K], suh [E, k], svh [E, n]."""
-
-    trellis: torch.Tensor
-    suh: torch.Tensor
-    svh: torch.Tensor
-    bits: int | float
-
-    @classmethod
-    def stack(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], device: torch.device | str) -> PackedProjection:
-        if not parts:
-            raise ValueError("no experts to stack")
-        bits = {bits_per_weight(trellis) for trellis, _, _ in parts}
-        shapes = {tuple(trellis.shape) for trellis, _, _ in parts}
-        if len(bits) != 1 or len(shapes) != 1:
-            raise ValueError(f"experts of one projection differ in shape {sorted(shapes)} or bits {sorted(bits)}")
-        if not float(next(iter(bits))).is_integer():
-            # The MoE kernels this path calls are instantiated for integer K only.
-            raise ValueError(f"half-integer EXL3 experts (K={bits.pop()}) are not supported by the CUDA MoE path")
-        trellis = torch.stack([t.to(device=device, dtype=torch.int16) for t, _, _ in parts]).contiguous()
-        suh = torch.stack([s.to(device=device, dtype=torch.float16) for _, s, _ in parts]).contiguous()
-        svh = torch.stack([s.to(device=device, dtype=torch.float16) for _, _, s in parts]).contiguous()
-        projection = cls(trellis, suh, svh, bits.pop())
-        projection.check()
-        return projection
-
-    @property
-    def num_experts(self) -> int:
-        return self.trellis.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.trellis.shape[1] * TILE
-
-    @property
-    def out_features(self) -> int:
-        return self.trellis.shape[2] * TILE
-
-    def check(self) -> None:
-        e, k, n = self.num_experts, self.in_features, self.out_features
-        if k % HADAMARD_BLOCK or n % HADAMARD_BLOCK:
-            raise ValueError(f"EXL3 expert shape [{k}, {n}] is not a multiple of {HADAMARD_BLOCK}")
-        if tuple(self.suh.shape) != (e, k) or tuple(self.svh.shape) != (e, n):
-            raise ValueError(f"suh {tuple(self.suh.shape)} / svh {tuple(self.svh.shape)} do not fit [{e}, {k}, {n}]")
-
-    def pointer_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """int64 device tables of each expert's trellis / suh / svh address."""
-        return tuple(_row_pointers(t) for t in (self.trellis, self.suh, self.svh))  # type: ignore[return-value]
-
-    def expert_bytes(self) -> int:
-        """Bytes one expert's projection occupies (what a kernel must read to use it)."""
-        per = self.trellis[0].numel() * self.trellis.element_size()
-        return per + (self.in_features + self.out_features) * self.suh.element_size()
-
-
-def _row_pointers(stacked: torch.Tensor) -> torch.Tensor:
-    stride = stacked.stride(0) * stacked.element_size()
-    base = stacked.data_ptr()
-    return torch.tensor([base + e * stride for e in range(stacked.shape[0])], dtype=torch.int64, device=stacked.device)
-
-
-def slice_for_rank(
-    trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, projection: str, rank: int, size: int, width: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This tensor-parallel rank's share of one expert projection, in exllamav3's [in, out] storage.
-
-    gate/up split their output columns, down its input rows, each `width` wide. The Hadamard
-    rotations are block-diagonal over 128, so a 128-aligned slice is exact.
-    """
-    if size == 1:
-        return trellis, suh, svh
-    if width % HADAMARD_BLOCK:
-        raise ValueError(f"per-rank intermediate {width} is not a multiple of {HADAMARD_BLOCK}: EXL3 cannot be split there")
-    lo, hi = rank * width, (rank + 1) * width
-    if projection == "down":
-        return trellis[lo // TILE : hi // TILE], suh[lo:hi], svh
-    if projection in ("gate", "up"):
-        return trellis[:, lo // TILE : hi // TILE], suh, svh[lo:hi]
-    raise ValueError(f"unknown projection {projection!r}")
-
-
 def routing_tables(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, ...]:
     """exl3_moe's routing inputs, built on the device with no host sync.
 
@@ -216,15 +135,6 @@ def routing_tables(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_exper
 def coop_counter_len(slots: int, rows: int, intermediate: int, hidden_out: int) -> int:
     """Length of exl3_moe_coop's int32 counter + run-table scratch (exl3_moe_coop_ctr_len)."""
     return slots * (intermediate // HADAMARD_BLOCK) + rows * (hidden_out // HADAMARD_BLOCK) + 2 + (slots + 1) + slots
-
-
-def touched_bytes(projections: dict[str, PackedProjection], topk_ids: torch.Tensor, hidden: int) -> int:
-    """Fewest device bytes one apply must move: each routed expert's packed weights once, x in, out out."""
-    distinct = int(torch.unique(topk_ids.reshape(-1)).numel())
-    weights = distinct * sum(p.expert_bytes() for p in projections.values())
-    tokens = topk_ids.shape[0]
-    # bf16 in, bf16 out, ids int64 + weights fp32 per slot
-    return weights + tokens * hidden * 2 * 2 + topk_ids.numel() * (8 + 4)
 
 
 class Exl3CudaExperts:
@@ -495,59 +405,3 @@ def experts_from_packed(
     return Exl3CudaExperts(
         stacked["gate"], stacked["up"], stacked["down"], codebook=codebook, top_k=top_k, act_limit=act_limit
     )
-
-
-def make_moe_method(moe_config: Any) -> Any:
-    """The vLLM MoE method for CUDA: loads like the CPU method, then keeps the experts packed."""
-    return _cuda_method_class()(moe_config)
-
-
-@lru_cache(maxsize=1)
-def _cuda_method_class() -> type:
-    from glm53_overlay.exl3.codebook import codebook_from_marker
-    from glm53_overlay.exl3.config import REQUIRED_PARTS, Exl3DequantizedMoEMethod
-
-    class Exl3CudaMoEMethod(Exl3DequantizedMoEMethod):
-        """Collects packed experts while loading (inherited), then runs them through exllamav3's kernels."""
-
-        def process_weights_after_loading(self, layer: Any) -> None:  # type: ignore[override]
-            moe = layer.moe_config
-            if getattr(layer, "expert_map", None) is not None:
-                raise NotImplementedError("EXL3 CUDA MoE: expert parallelism is not supported; use TP")
-            local = [e for e in range(moe.num_experts) if layer._map_global_expert_id_to_local_expert_id(e) != -1]
-            missing = [(e, s) for e in local for s in ("w1", "w3", "w2") if (e, s) not in self._packed]
-            if missing:
-                raise ValueError(f"{layer.layer_name}: EXL3 experts missing from the checkpoint: {missing[:8]}")
-            codebooks = set()
-            for key, parts in self._packed.items():
-                absent = [p for p in REQUIRED_PARTS if p not in parts]
-                if absent:
-                    raise ValueError(f"{layer.layer_name}: expert {key} lacks EXL3 {absent}")
-                codebooks.add(codebook_from_marker(parts.get("mcg"), parts.get("mul1")))
-            if len(codebooks) != 1:
-                raise ValueError(f"{layer.layer_name}: experts mix EXL3 codebooks {sorted(codebooks)}")
-            device = torch.device("cuda", torch.cuda.current_device())
-            self.experts = experts_from_packed(
-                self._packed,
-                local,
-                codebook=codebooks.pop(),
-                top_k=moe.experts_per_token,
-                tp_rank=moe.tp_rank,
-                tp_size=moe.tp_size,
-                intermediate_per_rank=self._unquantized_args[2],
-                device=device,
-                act_limit=float(getattr(layer, "swiglu_limit", None) or 0.0),
-            )
-            self._packed.clear()
-            for stem in ("w13", "w2"):
-                for part in ("trellis", "suh", "svh", "mcg", "mul1"):
-                    delattr(layer, f"{stem}_{part}")
-
-        def get_fused_moe_quant_config(self, layer: Any) -> None:  # type: ignore[override]
-            return None
-
-        def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):  # type: ignore[override]
-            # Shared experts are run by vLLM's MoE runner, not by the quant method.
-            return self.experts.apply(x, topk_ids, topk_weights)
-
-    return Exl3CudaMoEMethod

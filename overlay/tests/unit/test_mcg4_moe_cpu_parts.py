@@ -6,21 +6,18 @@ The kernels run on a GPU only (overlay/gpu/check_cuda_moe.py, overlay/benchmarks
 
 from __future__ import annotations
 
+import importlib
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from glm53_overlay.exl3 import cuda_moe, mcg4_moe
+from glm53_overlay.exl3 import mcg4_moe, packing, runtime
 from glm53_overlay.exl3.codebook import decode_states
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _projection(experts: int, k: int, n: int, bits: int = 4) -> cuda_moe.PackedProjection:
+def _projection(experts: int, k: int, n: int, bits: int = 4) -> packing.PackedProjection:
     trellis = torch.zeros((experts, k // 16, n // 16, 16 * bits), dtype=torch.int16)
-    return cuda_moe.PackedProjection(
+    return packing.PackedProjection(
         trellis, torch.ones(experts, k, dtype=torch.float16), torch.ones(experts, n, dtype=torch.float16), bits
     )
 
@@ -53,12 +50,60 @@ def test_mcg4_experts_refuse_unsupported_experts_before_building_anything():
         mcg4_moe.Mcg4Experts(*_layer(bits=(3, 3, 3)), act_limit=0.0)
 
 
-@pytest.mark.parametrize(("tokens", "shape"), [
-    (0, mcg4_moe.TUNED_SHAPES[1]), (1, mcg4_moe.TUNED_SHAPES[1]), (7, mcg4_moe.TUNED_SHAPES[1]),
-    (8, mcg4_moe.TUNED_SHAPES[8]), (64, mcg4_moe.TUNED_SHAPES[8]),
-])
+H200 = mcg4_moe.H200_SHAPES
+
+
+@pytest.mark.parametrize(("tokens", "shape"), [(0, H200[1]), (1, H200[1]), (7, H200[1]), (8, H200[8]), (64, H200[8])])
 def test_launch_shape_takes_the_largest_tuned_entry_at_or_below(tokens, shape):
-    assert mcg4_moe.launch_shape(tokens) == shape
+    assert mcg4_moe.launch_shape(tokens, (9, 0)) == shape
+
+
+@pytest.mark.parametrize(("capability", "allowed"), [
+    ((9, 0), True), ((10, 0), True), ((10, 3), True),  # Hopper, datacenter Blackwell
+    ((12, 0), False), ((12, 1), False),  # SM12x (GB10 is 12.1): PDL races the KDA state kernels there
+    ((8, 9), False), ((8, 0), False), (None, False),  # no PDL in the hardware; not a CUDA device
+])
+def test_pdl_only_on_sm9x_and_sm10x(capability, allowed):
+    assert mcg4_moe.pdl_allowed(capability) is allowed
+    assert all(mcg4_moe.launch_shape(t, capability).pdl is allowed for t in (1, 8, 64))
+
+
+def test_sm121_runs_the_h200_shapes_as_a_stated_fallback():
+    table, source = mcg4_moe.shapes_for((12, 1))
+    assert table is H200
+    assert source == "H200 (sm_90) shapes as the fallback on sm_121 (not tuned there)"
+    for tokens in (1, 8):
+        shape = mcg4_moe.launch_shape(tokens, (12, 1))
+        assert (shape.gate_up_warps, shape.down_warps) == (H200[tokens].gate_up_warps, H200[tokens].down_warps)
+    assert mcg4_moe.shapes_for((9, 0))[1] == "tuned on sm_90"
+
+
+class _RecordingExtension:
+    """Records the launch options `Mcg4Experts.apply` passes to the kernels (no kernels run)."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[int, int, bool]] = []
+
+    def mcg4_moe(self, *args) -> None:
+        gate_up_warps, down_warps, pdl, _stream = args[-4:]
+        self.launches.append((gate_up_warps, down_warps, pdl))
+
+
+@pytest.mark.parametrize(("capability", "pdl"), [((9, 0), True), ((12, 1), False)])
+def test_apply_passes_pdl_only_where_allowed_even_when_a_shape_asks_for_it(monkeypatch, capability, pdl):
+    ext = _RecordingExtension()
+    monkeypatch.setattr(mcg4_moe, "load_extension", lambda: ext)
+    experts = mcg4_moe.Mcg4Experts(*_layer(), act_limit=0.0)
+    experts.capability = capability  # what device_capability reads on that GPU
+    x, ids, w = torch.zeros((1, 256), dtype=torch.bfloat16), torch.zeros((1, 2), dtype=torch.int64), torch.ones((1, 2))
+    experts.apply(x, ids, w)
+    experts.apply(x, ids, w, mcg4_moe.LaunchShape(gate_up_warps=16, down_warps=4, pdl=True))
+    assert ext.launches == [(8, 8, pdl), (16, 4, pdl)]
+
+
+def test_a_cpu_device_has_no_capability_and_no_pdl():
+    assert mcg4_moe.device_capability(torch.device("cpu")) is None
+    assert mcg4_moe.launch_shape(1, None).pdl is False
 
 
 def test_launch_shape_names_a_bad_warp_count():
@@ -67,13 +112,13 @@ def test_launch_shape_names_a_bad_warp_count():
 
 
 def test_decode_kernel_switch(monkeypatch):
-    monkeypatch.delenv(cuda_moe.DECODE_KERNEL_ENV, raising=False)
-    assert cuda_moe.decode_kernel_choice() == "ours"
-    monkeypatch.setenv(cuda_moe.DECODE_KERNEL_ENV, "exllamav3")
-    assert cuda_moe.decode_kernel_choice() == "exllamav3"
-    monkeypatch.setenv(cuda_moe.DECODE_KERNEL_ENV, "fast")
+    monkeypatch.delenv(runtime.DECODE_KERNEL_ENV, raising=False)
+    assert runtime.decode_kernel_choice() == "ours"
+    monkeypatch.setenv(runtime.DECODE_KERNEL_ENV, "exllamav3")
+    assert runtime.decode_kernel_choice() == "exllamav3"
+    monkeypatch.setenv(runtime.DECODE_KERNEL_ENV, "fast")
     with pytest.raises(ValueError, match="GLM53_EXL3_MOE_DECODE='fast': expected one of ours, exllamav3"):
-        cuda_moe.decode_kernel_choice()
+        runtime.decode_kernel_choice()
 
 
 def test_the_kernel_source_ships_with_the_package():
@@ -83,8 +128,7 @@ def test_the_kernel_source_ships_with_the_package():
 
 @pytest.mark.parametrize("script", ["bench_moe", "tune_mcg4", "kernel_times"])
 def test_benchmarks_refuse_bad_token_counts_before_touching_a_gpu(script, monkeypatch, capsys):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    module = __import__(script)
+    module = importlib.import_module(script)  # benchmarks/ is on pytest's pythonpath
     monkeypatch.setattr(sys, "argv", [script, "--tokens", "0"])
     with pytest.raises(SystemExit) as exc:
         module.main()

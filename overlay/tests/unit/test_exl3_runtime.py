@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm53_overlay.exl3 import cuda_moe
+from glm53_overlay.exl3 import packing, runtime
 
 
-def _projection(experts: int, k: int, n: int, bits: int = 4) -> cuda_moe.PackedProjection:
+def _projection(experts: int, k: int, n: int, bits: int = 4) -> packing.PackedProjection:
     trellis = torch.randint(-(1 << 15), 1 << 15, (experts, k // 16, n // 16, 16 * bits), dtype=torch.int32)
-    return cuda_moe.PackedProjection(
+    return packing.PackedProjection(
         trellis.to(torch.int16), torch.ones(experts, k, dtype=torch.float16), torch.ones(experts, n, dtype=torch.float16), bits
     )
 
@@ -29,26 +29,26 @@ def test_touched_bytes_counts_each_routed_expert_once():
     projections = {"gate": _projection(4, 128, 128), "up": _projection(4, 128, 128), "down": _projection(4, 128, 128)}
     ids = torch.tensor([[0, 1], [1, 2]])
     per_expert = 3 * projections["gate"].expert_bytes()
-    assert cuda_moe.touched_bytes(projections, ids, 128) == 3 * per_expert + 2 * 128 * 4 + 4 * 12
+    assert packing.touched_bytes(projections, ids, 128) == 3 * per_expert + 2 * 128 * 4 + 4 * 12
 
 
 def test_stack_rejects_mixed_shapes():
     a = (torch.zeros(8, 8, 64, dtype=torch.int16), torch.ones(128), torch.ones(128))
     b = (torch.zeros(8, 16, 64, dtype=torch.int16), torch.ones(128), torch.ones(256))
     with pytest.raises(ValueError, match="differ"):
-        cuda_moe.PackedProjection.stack([a, b], "cpu")
+        packing.PackedProjection.stack([a, b], "cpu")
 
 
 def test_stack_rejects_unpadded_shape():
     part = (torch.zeros(8, 4, 64, dtype=torch.int16), torch.ones(128), torch.ones(64))
     with pytest.raises(ValueError, match="multiple of 128"):
-        cuda_moe.PackedProjection.stack([part], "cpu")
+        packing.PackedProjection.stack([part], "cpu")
 
 
 def test_routing_tables_group_by_expert_in_stable_order():
     ids = torch.tensor([[2, 0], [0, 5], [2, 1]])
     weights = torch.tensor([[0.5, 0.25], [0.125, 0.75], [0.0625, 1.0]])
-    count, token_sorted, weight_sorted = cuda_moe.routing_tables(ids, weights, num_experts=4)
+    count, token_sorted, weight_sorted = runtime.routing_tables(ids, weights, num_experts=4)
     # expert 5 is outside this rank's 4 experts: it lands in the last bin, sorted last
     assert count.tolist() == [2, 1, 2, 0, 1]
     assert token_sorted.tolist() == [0, 1, 2, 0, 2, 1]
@@ -60,55 +60,55 @@ def test_routing_tables_group_by_expert_in_stable_order():
 def test_slice_for_rank_splits_gate_up_columns(projection):
     trellis = torch.arange(16 * 32 * 4).view(16, 32, 4).to(torch.int16)
     suh, svh = torch.arange(256.0), torch.arange(512.0)
-    t, s, v = cuda_moe.slice_for_rank(trellis, suh, svh, projection, rank=1, size=2, width=256)
+    t, s, v = packing.slice_for_rank(trellis, suh, svh, projection, rank=1, size=2, width=256)
     assert torch.equal(t, trellis[:, 16:32]) and torch.equal(s, suh) and torch.equal(v, svh[256:512])
 
 
 def test_slice_for_rank_splits_down_rows():
     trellis = torch.arange(32 * 16 * 4).view(32, 16, 4).to(torch.int16)
     suh, svh = torch.arange(512.0), torch.arange(256.0)
-    t, s, v = cuda_moe.slice_for_rank(trellis, suh, svh, "down", rank=0, size=2, width=256)
+    t, s, v = packing.slice_for_rank(trellis, suh, svh, "down", rank=0, size=2, width=256)
     assert torch.equal(t, trellis[:16]) and torch.equal(s, suh[:256]) and torch.equal(v, svh)
 
 
 def test_slice_for_rank_refuses_unaligned_split():
     with pytest.raises(ValueError, match="multiple of 128"):
-        cuda_moe.slice_for_rank(torch.zeros(8, 8, 4), torch.ones(128), torch.ones(128), "gate", 0, 2, 64)
+        packing.slice_for_rank(torch.zeros(8, 8, 4), torch.ones(128), torch.ones(128), "gate", 0, 2, 64)
 
 
 def test_coop_counter_len_matches_exllamav3_formula():
     # exllamav3's block_sparse_mlp: rows*(I//128) + MAX_BSZN*(Ho//128) + 2*rows + 3, rows = MAX_BSZN * top_k
-    slots = cuda_moe.DECODE_MAX_TOKENS * 8
+    slots = runtime.DECODE_MAX_TOKENS * 8
     expected = slots * (1024 // 128) + 8 * (4096 // 128) + 2 * slots + 3
-    assert cuda_moe.coop_counter_len(slots, 8, 1024, 4096) == expected
+    assert runtime.coop_counter_len(slots, 8, 1024, 4096) == expected
 
 
 def test_unsupported_without_cuda_and_kernels_fail_closed(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("CPU-only test")
-    assert cuda_moe.cuda_moe_supported() is False
-    cuda_moe.load_kernels.cache_clear()
-    monkeypatch.setattr(cuda_moe.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setattr(cuda_moe.importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError(name)))
-    with pytest.raises(cuda_moe.Exl3KernelsUnavailable, match="exllamav3"):
-        cuda_moe.load_kernels()
-    cuda_moe.load_kernels.cache_clear()
+    assert runtime.cuda_moe_supported() is False
+    runtime.load_kernels.cache_clear()
+    monkeypatch.setattr(runtime.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(runtime.importlib, "import_module", lambda name: (_ for _ in ()).throw(ImportError(name)))
+    with pytest.raises(runtime.Exl3KernelsUnavailable, match="exllamav3"):
+        runtime.load_kernels()
+    runtime.load_kernels.cache_clear()
 
 
 def test_kernel_module_missing_a_kernel_is_refused(monkeypatch):
-    fake = type("Ext", (), {name: None for name in cuda_moe.REQUIRED_KERNELS if name != "exl3_moe_coop"})
-    cuda_moe.load_kernels.cache_clear()
-    monkeypatch.setattr(cuda_moe.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(cuda_moe.importlib, "import_module", lambda name: fake)
-    with pytest.raises(cuda_moe.Exl3KernelsUnavailable, match="exl3_moe_coop"):
-        cuda_moe.load_kernels()
-    cuda_moe.load_kernels.cache_clear()
+    fake = type("Ext", (), {name: None for name in runtime.REQUIRED_KERNELS if name != "exl3_moe_coop"})
+    runtime.load_kernels.cache_clear()
+    monkeypatch.setattr(runtime.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(runtime.importlib, "import_module", lambda name: fake)
+    with pytest.raises(runtime.Exl3KernelsUnavailable, match="exl3_moe_coop"):
+        runtime.load_kernels()
+    runtime.load_kernels.cache_clear()
 
 
 def test_codebook_3inst_is_refused_before_kernels_load():
     p = _projection(2, 128, 128)
-    with pytest.raises(cuda_moe.Exl3KernelsUnavailable, match="3inst"):
-        cuda_moe.Exl3CudaExperts(p, p, p, codebook="3inst", top_k=2)
+    with pytest.raises(runtime.Exl3KernelsUnavailable, match="3inst"):
+        runtime.Exl3CudaExperts(p, p, p, codebook="3inst", top_k=2)
 
 
 class _Recorder:
@@ -123,9 +123,9 @@ class _Recorder:
         return torch.zeros((x.shape[0], self.hidden), dtype=self.dtype or x.dtype)
 
 
-def _dispatching_layer(with_ours: bool) -> cuda_moe.Exl3CudaExperts:
+def _dispatching_layer(with_ours: bool) -> runtime.Exl3CudaExperts:
     # Only apply's dispatch is exercised: no kernels, no CUDA (the kernels are checked on a GPU).
-    layer = object.__new__(cuda_moe.Exl3CudaExperts)
+    layer = object.__new__(runtime.Exl3CudaExperts)
     layer.hidden, layer.top_k = 64, 2
     layer.ours = type("Ours", (), {"apply": _Recorder(64, dtype=None)})() if with_ours else None
     layer.apply_decode, layer.apply_fused = _Recorder(64), _Recorder(64)
@@ -141,12 +141,12 @@ def test_apply_runs_the_kernels_path_for_names(with_ours, tokens):
     out = layer.apply(x, ids, torch.ones((tokens, 2)))
     assert out.shape == (tokens, 64) and out.dtype == torch.bfloat16
     called = {
-        cuda_moe.PATH_OURS: layer.ours.apply.calls if with_ours else [],
-        cuda_moe.PATH_COOP: layer.apply_decode.calls,
-        cuda_moe.PATH_FUSED: layer.apply_fused.calls,
+        runtime.PATH_OURS: layer.ours.apply.calls if with_ours else [],
+        runtime.PATH_COOP: layer.apply_decode.calls,
+        runtime.PATH_FUSED: layer.apply_fused.calls,
     }
     path = layer.path_for(tokens)
     assert sum(called[path]) == tokens  # coop in chunks of 8, the others in one call
     assert all(not calls for name, calls in called.items() if name != path)
     if with_ours:
-        assert (path == cuda_moe.PATH_OURS) == (tokens <= cuda_moe.MCG4_MAX_TOKENS)
+        assert (path == runtime.PATH_OURS) == (tokens <= runtime.MCG4_MAX_TOKENS)
