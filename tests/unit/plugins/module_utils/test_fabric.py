@@ -8,10 +8,15 @@ import pytest
 from ansible_collections.sparkops.glm53.plugins.module_utils.fabric import (
     FabricError,
     GidEntry,
+    HcaPin,
+    Rail,
     discover_fabric,
     find_rdma_port,
+    hca_env,
+    inspect_fabric,
     ipv4_mapped_gid,
     netdev_for_ip,
+    parse_hca_pins,
     parse_ip_addr_json,
     read_gid_table,
     resolve_gid_index,
@@ -276,3 +281,141 @@ def test_pinned_netdev_that_does_not_exist_says_so():
     with pytest.raises(FabricError, match=r"pinned netdev eth9 does not exist \(no .*/sim-node/class/net/eth9\)") as failure:
         discover("sim-node", "sim-node", "172.31.253.10", rdma=False, netdev="eth9")
     assert failure.value.option == "netdev"
+
+
+# --- dual rail: both PCIe twins of one CX7 port (rocep1s0f1 + roceP2p1s0f1), each with its own address ---------
+
+def test_discover_dual_rail_head_gives_nccl_both_rails():
+    facts = discover("spark-dual-head", "spark-dual-head", "10.0.0.1")
+    assert [(r.hca, r.port, r.netdev, r.address, r.gid_index) for r in facts.rails] == [
+        ("rocep1s0f1", 1, "enp1s0f1np1", "10.0.0.1", 3),
+        ("roceP2p1s0f1", 1, "enP2p1s0f1np1", "10.0.1.1", 3),
+    ]
+    assert [(r.operstate, r.mtu, r.speed_mbps) for r in facts.rails] == [("up", 9000, 200000)] * 2
+    assert facts.env == {
+        "NCCL_SOCKET_IFNAME": "enp1s0f1np1",
+        "GLOO_SOCKET_IFNAME": "enp1s0f1np1",
+        "NCCL_IB_HCA": "rocep1s0f1,roceP2p1s0f1",
+        "NCCL_IB_GID_INDEX": "3",
+        "VLLM_HOST_IP": "10.0.0.1",
+    }
+    # The socket side (bootstrap, gloo, vLLM) stays on the fabric IP's netdev; the primary rail comes first.
+    assert (facts.netdev, facts.hca, facts.port, facts.gid_index) == ("enp1s0f1np1", "rocep1s0f1", 1, 3)
+
+
+def test_discover_dual_rail_worker_on_the_other_physical_port():
+    facts = discover("spark-dual-worker", "spark-dual-worker", "10.0.0.2")
+    assert facts.env["NCCL_IB_HCA"] == "rocep1s0f0,roceP2p1s0f0"
+    assert [r.address for r in facts.rails] == ["10.0.0.2", "10.0.1.2"]
+
+
+def test_single_rail_layouts_are_unchanged():
+    # The twin is up but has no address (the layout most single-cable guides leave): one rail, as before.
+    facts = discover("spark-head", "spark-head", "10.0.0.1")
+    assert [r.hca for r in facts.rails] == ["rocep1s0f1"]
+    assert facts.env["NCCL_IB_HCA"] == "rocep1s0f1"
+
+
+def test_dual_rail_with_one_rail_down_names_the_link_and_the_rail():
+    with pytest.raises(FabricError, match=r"link enP2p1s0f1np1 is down \(rail roceP2p1s0f1 port 1\)") as failure:
+        discover("spark-dual-head", "spark-dual-rail-down", "10.0.0.1")
+    assert failure.value.option == "netdev"
+
+
+def test_inspect_reports_the_down_rail_and_keeps_both():
+    facts, problems = inspect_fabric(addrs("spark-dual-head"), "10.0.0.1", SYSFS / "spark-dual-rail-down")
+    assert [str(p) for p in problems] == [
+        "link enP2p1s0f1np1 is down (rail roceP2p1s0f1 port 1); check the CX7 cable and "
+        "`ip link set enP2p1s0f1np1 up`"]
+    assert facts is not None and [(r.netdev, r.operstate, r.speed_mbps) for r in facts.rails] == [
+        ("enp1s0f1np1", "up", 200000), ("enP2p1s0f1np1", "down", None)]
+    assert facts.env == {}  # nothing to hand a rank while a problem stands
+
+
+def test_gid_index_differing_between_rails_is_refused_naming_each_rail():
+    with pytest.raises(FabricError, match=r"GID index differs between rails \(rocep1s0f1 port 1 has 10\.0\.0\.1 at 3, "
+                                          r"roceP2p1s0f1 port 1 has 10\.0\.1\.1 at 5\)") as failure:
+        discover("spark-dual-head", "spark-dual-gid-differs", "10.0.0.1")
+    assert failure.value.option == "gid_index"
+
+
+def test_pinned_gid_index_must_hold_on_every_rail():
+    with pytest.raises(FabricError, match=r"pinned gid_index 3 on roceP2p1s0f1 port 1 holds fd4e:0b1a:.* now index 5"):
+        discover("spark-dual-head", "spark-dual-gid-differs", "10.0.0.1", gid_index=3)
+    assert discover("spark-dual-head", "spark-dual-head", "10.0.0.1", gid_index=3).gid_index == 3
+
+
+def test_one_address_fronting_both_rails_needs_the_socket_netdev_pinned():
+    with pytest.raises(FabricError, match="several interfaces.*pin netdev"):
+        discover("spark-dual-shared-ip", "spark-dual-shared-ip", "10.0.0.1")
+    facts = discover("spark-dual-shared-ip", "spark-dual-shared-ip", "10.0.0.1", netdev="enp1s0f1np1")
+    assert [(r.hca, r.address, r.gid_index) for r in facts.rails] == [
+        ("rocep1s0f1", "10.0.0.1", 3), ("roceP2p1s0f1", "10.0.0.1", 3)]
+    assert facts.env["NCCL_IB_HCA"] == "rocep1s0f1,roceP2p1s0f1"
+
+
+@pytest.mark.parametrize("pin", [["rocep1s0f1", "roceP2p1s0f1"], "rocep1s0f1,roceP2p1s0f1",
+                                 ["rocep1s0f1:1", "roceP2p1s0f1:1"]])
+def test_hca_pin_as_list_string_or_port_form(pin):
+    facts = discover("spark-dual-head", "spark-dual-head", "10.0.0.1", hca=pin)
+    assert facts.env["NCCL_IB_HCA"] == "rocep1s0f1,roceP2p1s0f1"
+
+
+def test_pinning_one_rail_of_a_dual_rail_node_uses_only_that_rail():
+    facts = discover("spark-dual-head", "spark-dual-head", "10.0.0.1", hca="rocep1s0f1")
+    assert facts.env["NCCL_IB_HCA"] == "rocep1s0f1"
+
+
+def test_pinned_twin_without_an_address_is_refused_with_the_layout_to_use():
+    with pytest.raises(FabricError, match=r"pinned hca roceP2p1s0f1 port 1: its netdev enP2p1s0f1np1 has no IPv4 "
+                                          r"address; every rail needs its own address") as failure:
+        discover("spark-head", "spark-head", "10.0.0.1", hca=["rocep1s0f1", "roceP2p1s0f1"])
+    assert failure.value.option == "hca"
+
+
+def test_pins_must_include_the_fabric_netdevs_port():
+    with pytest.raises(FabricError, match="no port of hca roceP2p1s0f1 belongs to netdev enp1s0f1np1"):
+        discover("spark-dual-head", "spark-dual-head", "10.0.0.1", hca="roceP2p1s0f1")
+
+
+@pytest.mark.parametrize(("pin", "reason"), [
+    ("rocep1s0f1:x", r"'rocep1s0f1:x' is not an RDMA device name or name:port"),
+    (":1", r"':1' is not an RDMA device name"),
+    ("rocep1s0f1,rocep1s0f1:1", "names rocep1s0f1 twice"),
+])
+def test_bad_hca_pins_are_refused(pin, reason):
+    with pytest.raises(FabricError, match=reason):
+        parse_hca_pins(pin)
+
+
+def test_parse_hca_pins():
+    assert parse_hca_pins(None) == []
+    assert parse_hca_pins(" a , b:2 ") == [HcaPin("a"), HcaPin("b", 2)]
+    assert parse_hca_pins(["mlx5_0:1"]) == [HcaPin("mlx5_0", 1)]
+
+
+def test_pinned_port_that_does_not_exist():
+    with pytest.raises(FabricError, match="pinned hca rocep1s0f1:2 has no port 2"):
+        discover("spark-dual-head", "spark-dual-head", "10.0.0.1", hca="rocep1s0f1:2")
+
+
+def _rail(hca, port=1):
+    return Rail("x", "10.0.0.1", 24, "up", 9000, None, hca, port, 3)
+
+
+def test_hca_env_uses_exact_match_when_a_name_prefixes_another_device():
+    devices = [("mlx5_1", 1), ("mlx5_10", 1), ("mlx5_2", 1)]
+    assert hca_env([_rail("mlx5_1"), _rail("mlx5_2")], devices) == "=mlx5_1,mlx5_2"
+    assert hca_env([_rail("mlx5_10")], devices) == "mlx5_10"
+
+
+def test_hca_env_names_the_port_of_a_multi_port_device():
+    devices = [("mlx5_0", 1), ("mlx5_0", 2), ("mlx5_1", 1)]
+    assert hca_env([_rail("mlx5_0", 2), _rail("mlx5_1")], devices) == "mlx5_0:2,mlx5_1"
+
+
+def test_link_local_second_port_is_not_a_rail_unless_pinned():
+    # NVIDIA's automatic netplan gives ports 169.254.x addresses; such a port usually faces another cable.
+    head = addrs("spark-dual-head")
+    ll = [a if a.ifname != "enP2p1s0f1np1" else type(a)(a.ifname, IP("169.254.7.9"), False, 16) for a in head]
+    assert [r.hca for r in discover_fabric(ll, "10.0.0.1", SYSFS / "spark-dual-head").rails] == ["rocep1s0f1"]
