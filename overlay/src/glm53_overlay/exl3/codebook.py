@@ -7,6 +7,7 @@ fp32's 24-bit mantissa (the masks confine both halves to exponents 2^-3..2^0).
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Literal, get_args
 
@@ -26,6 +27,14 @@ _MUL1_BYTE_SUM_BASE = 0x6400  # fp16 bits of 1024.0
 _MUL1_SCALE_BITS = 0x1EEE  # fp16 ~1/147.7
 _MUL1_BIAS_BITS = 0xC931  # fp16 ~-10.39
 _U32 = 0xFFFFFFFF
+# TEST ONLY (molecule verify_quality.yml proves the quality gate fails a wrong overlay): a nonzero
+# integer here is XORed into the mcg multiplier of the reference decode, so every mcg weight decodes
+# wrong while the engine still serves. Unset in production; the CUDA kernels never read it.
+TEST_FAULT_ENV = "GLM53_TEST_EXL3_CODEBOOK_FAULT"
+
+
+def _test_fault() -> int:
+    return int(os.environ.get(TEST_FAULT_ENV) or "0", 0)
 
 
 def _u16_as_half(bits: torch.Tensor) -> torch.Tensor:
@@ -65,7 +74,7 @@ def decode_states(states: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     if codebook == "3inst":
         return _half_pair_sum((x * _3INST_MULTIPLIER + _3INST_INCREMENT) & _U32)
     if codebook == "mcg":
-        return _half_pair_sum((x * MCG_MULTIPLIER) & _U32)
+        return _half_pair_sum((x * (MCG_MULTIPLIER ^ _test_fault())) & _U32)
     if codebook == "mul1":
         return _mul1((x * MUL1_MULTIPLIER) & _U32)
     raise ValueError(f"unknown EXL3 codebook {codebook!r}; expected one of {CODEBOOKS}")
