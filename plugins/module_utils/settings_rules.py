@@ -116,7 +116,7 @@ RULES: dict[str, Check] = {
     "glm53_tensor_parallel_size": at_least(0),
     "glm53_pipeline_parallel_size": at_least(1),
     "glm53_model_repo": matches(_HF_REPO, "a Hugging Face repo id, org/name"),
-    "glm53_model_fallback_repos": repo_list,
+    "glm53_model_fallbacks": repo_list,
     "glm53_model_revision": revision,
     "glm53_draft_repo": matches(_HF_REPO, "a Hugging Face repo id, org/name"),
     "glm53_draft_revision": revision,

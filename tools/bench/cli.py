@@ -6,7 +6,7 @@
 
 Streams /v1/chat/completions the way the recipe's bench_decode does (greedy, thinking off, usage in
 the stream), reads spec-decode and prefix-cache counters from /metrics around every phase x
-concurrency cell, and writes one glm53-bench/1 JSON (docs/benchmark-schema.md) and one PNG per run.
+concurrency cell, and writes one glm53-bench/2 JSON (docs/benchmark-schema.md) and one PNG per run.
 
 Exit status: 0 measured; 1 measured but some request failed or a coherence probe failed; 2 the server
 could not be measured (/health failed, never idle, bad arguments).
@@ -23,7 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
-from .phases import PHASES
+from .phases import MIXED, PHASES
 from .prometheus_deltas import has_spec_decode
 from .report_schema import SCHEMA_ID, validate_report
 from .results_table import results_table
@@ -45,9 +45,10 @@ def _int_list(text: str) -> list[int]:
 
 def _phase_list(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = [n for n in names if n not in PHASES]
+    unknown = [n for n in names if n not in PHASES and n != MIXED]
     if not names or unknown:
-        raise argparse.ArgumentTypeError(f"unknown phase(s) {unknown or text!r}; choose from {', '.join(PHASES)}")
+        raise argparse.ArgumentTypeError(f"unknown phase(s) {unknown or text!r}; "
+                                         f"choose from {', '.join([*PHASES, MIXED])}")
     return names
 
 
@@ -62,7 +63,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=_int_list, default=[1, 2, 4],
                         help="comma-separated stream counts (default 1,2,4)")
     parser.add_argument("--phases", type=_phase_list, default=list(PHASES),
-                        help=f"comma-separated phases (default {','.join(PHASES)})")
+                        help=f"comma-separated phases (default {','.join(PHASES)}); `{MIXED}` adds the long-prompt "
+                             "phase (docs/prefill.md)")
+    parser.add_argument("--mixed-streams", type=int, default=2,
+                        help="mixed phase: decode streams running while the long prompt arrives (default %(default)s)")
+    parser.add_argument("--mixed-long-tokens", type=int, default=100_000,
+                        help="mixed phase: size of the cold long prompt in tokens (default %(default)s)")
+    parser.add_argument("--mixed-decode-tokens", type=int, default=400,
+                        help="mixed phase: max_tokens of each decode stream (default %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="results folder (default %(default)s)")
     parser.add_argument("--warmup-wait", type=float, default=300.0,
@@ -79,7 +87,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.runs < 1 or args.max_tokens < 2:
         parser.error("--runs must be >= 1 and --max-tokens >= 2 (decode speed needs two tokens)")
+    if args.mixed_streams < 1 or args.mixed_long_tokens < 16 or args.mixed_decode_tokens < 32:
+        parser.error("--mixed-streams must be >= 1, --mixed-long-tokens >= 16, --mixed-decode-tokens >= 32")
     return args
+
+
+def _title_mixed(report: dict[str, Any]) -> str:
+    argv = report["server"]["serve_argv"] or []
+    knobs = [f"{a}={b}" for a, b in zip(argv, argv[1:])
+             if a in ("--max-num-batched-tokens", "--long-prefill-token-threshold")]
+    knobs += [a for a in argv if a == "--long-prefill-token-threshold-adaptive"]
+    return f"{report['target']['model']} mixed phase, {report['created_utc']}  " + " ".join(knobs)
 
 
 def _api_root(base_url: str) -> str:
@@ -120,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             "runs": args.runs, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
             "phases": args.phases, "temperature": TEMPERATURE, "top_p": TOP_P, "enable_thinking": False,
             "warmup_wait_s": args.warmup_wait,
+            "mixed": {"streams": args.mixed_streams, "long_prompt_tokens": args.mixed_long_tokens,
+                      "decode_tokens": args.mixed_decode_tokens} if MIXED in args.phases else None,
         },
         "server": {
             "models": server.models(),
@@ -132,26 +152,49 @@ def main(argv: list[str] | None = None) -> int:
         },
         "coherence": None,
         "phases": [],
+        "mixed": None,
         "warnings": bench.warnings,
-        "artifacts": {"plot": None},
+        "artifacts": {"plot": None, "mixed_plot": None},
     }
     if args.coherence:
         err.print("coherence probes ...")
         report["coherence"] = bench.coherence()
-    for name in args.phases:
+    for name in (n for n in args.phases if n != MIXED):
         err.print(f"phase {name}: concurrency {','.join(map(str, args.concurrency))} x {args.runs} runs ...")
         report["phases"].append(bench.measure_phase(PHASES[name]))
+    if MIXED in args.phases:
+        from .mixed import MixedSettings, run_mixed
+
+        err.print(f"phase {MIXED}: {args.mixed_streams} stream(s) decoding while a cold "
+                  f"~{args.mixed_long_tokens}-token prompt arrives ...")
+        try:
+            wait_until_idle(server.metrics, args.warmup_wait or 60.0, poll_s=args.poll_interval)
+            report["mixed"] = run_mixed(client, args.model, lambda text: server.count_tokens(args.model, text),
+                                        MixedSettings(args.mixed_streams, args.mixed_long_tokens,
+                                                      args.mixed_decode_tokens), timeout_s=args.timeout)
+        except ServerError as exc:
+            bench.warnings.append(f"{MIXED} phase not measured: {exc}")
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "bench-" + report["created_utc"].replace(":", "").replace("+0000", "Z")
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
     try:
-        from .decode_plot import write_decode_plot
+        if report["phases"]:
+            from .decode_plot import write_decode_plot
 
-        write_decode_plot(report, png_path)
-        report["artifacts"]["plot"] = png_path.name
+            write_decode_plot(report, png_path)
+            report["artifacts"]["plot"] = png_path.name
     except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
         bench.warnings.append(f"plot not written: {type(exc).__name__}: {exc}")
+    if report["mixed"] is not None:
+        mixed_png = args.out / f"{stem}-mixed.png"
+        try:
+            from .mixed_plot import write_mixed_plot
+
+            write_mixed_plot(report["mixed"], _title_mixed(report), mixed_png)
+            report["artifacts"]["mixed_plot"] = mixed_png.name
+        except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
+            bench.warnings.append(f"mixed plot not written: {type(exc).__name__}: {exc}")
     problems = validate_report(report)
     json_path.write_text(json.dumps(report, indent=2) + "\n")
 
@@ -161,11 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results: {json_path}")
     if report["artifacts"]["plot"]:
         print(f"plot: {png_path}")
+    if report["mixed"] is not None:
+        m = report["mixed"]
+        print(f"mixed: decode tok/s per stream before/during/after the long prefill: "
+              + " / ".join("-" if v is None else f"{v:.1f}" for v in m["decode_tok_s"].values())
+              + f"; long TTFT {m['long_ttft_s']}s; short TTFT {m['short_ttft_s']}s")
+    if report["artifacts"]["mixed_plot"]:
+        print(f"mixed plot: {args.out / report['artifacts']['mixed_plot']}")
     if problems:
         # A bug in this tool, not in the server: say so loudly, the file is still written for inspection.
         err.print("[bold red]the result does not match " + SCHEMA_ID + ":[/]\n  " + "\n  ".join(problems))
         return EXIT_FAILED_REQUESTS
     failed = sum(level["errors"] for phase in report["phases"] for level in phase["levels"])
+    failed += len(report["mixed"]["errors"]) if report["mixed"] else 0
     coherent = report["coherence"] is None or report["coherence"]["passed"]
     if failed or not coherent:
         err.print(f"[bold red]{failed} request(s) failed[/]" if failed else "[bold red]coherence probes failed[/]")

@@ -23,6 +23,9 @@ PHASES: dict[str, Phase] = {p.name: p for p in (
                   "with type hints, a docstring and a few doctests."),
 )}
 
+# Not a prompt of its own: decode streams plus a cold long prompt (mixed.py).
+MIXED = "mixed"
+
 # Short questions whose answers a healthy engine always gets as readable text; a broken kernel or a
 # wrong quantization shows up as empty output or as garbage bytes long before it shows in tok/s.
 COHERENCE_PROBES: tuple[str, ...] = (

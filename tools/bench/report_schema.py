@@ -1,4 +1,4 @@
-"""The glm53-bench/1 result document: its shape as data, and a small checker for it.
+"""The glm53-bench/2 result document: its shape as data, and a small checker for it.
 
 Hand-written instead of jsonschema so the controller venv needs nothing more; docs/benchmark-schema.md
 describes the same fields, and a unit test keeps the two in step.
@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
-SCHEMA_ID = "glm53-bench/1"
+SCHEMA_ID = "glm53-bench/2"
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,35 @@ LEVEL = {
     "prefix_cache": PREFIX_CACHE,
     "requests": ListOf(REQUEST),
 }
+MIXED_STREAM = {
+    "stream": int,
+    "error": Nullable(str),
+    "completion_tokens": int,
+    "before_tok_s": Nullable(NUMBER),
+    "during_tok_s": Nullable(NUMBER),
+    "after_tok_s": Nullable(NUMBER),
+    "longest_gap_during_s": Nullable(NUMBER),
+}
+MIXED = Nullable({
+    "streams": int,
+    "long_prompt_tokens": Nullable(int),
+    "long_prompt_target_tokens": int,
+    "long_ttft_s": Nullable(NUMBER),
+    "short_ttft_s": Nullable(NUMBER),
+    "short_sent_after_long_s": NUMBER,
+    "prefill_window_s": Nullable(NUMBER),
+    "decode_tok_s": {"before": Nullable(NUMBER), "during": Nullable(NUMBER), "after": Nullable(NUMBER)},
+    "longest_gap_during_s": Nullable(NUMBER),
+    "per_stream": ListOf(MIXED_STREAM),
+    "errors": ListOf(str),
+    "timeline": {
+        "long_sent": NUMBER,
+        "long_first_token": Nullable(NUMBER),
+        "short_sent": NUMBER,
+        "short_first_token": Nullable(NUMBER),
+        "streams": ListOf(ListOf(ListOf(NUMBER))),
+    },
+})
 REPORT: Spec = {
     "schema": Const(SCHEMA_ID),
     "created_utc": str,
@@ -82,6 +111,7 @@ REPORT: Spec = {
         "top_p": NUMBER,
         "enable_thinking": bool,
         "warmup_wait_s": NUMBER,
+        "mixed": Nullable({"streams": int, "long_prompt_tokens": int, "decode_tokens": int}),
     },
     "server": {
         "models": Nullable(AnyObject()),
@@ -104,8 +134,9 @@ REPORT: Spec = {
         "prefix_cache": PREFIX_CACHE,
         "levels": ListOf(LEVEL),
     }),
+    "mixed": MIXED,
     "warnings": ListOf(str),
-    "artifacts": {"plot": Nullable(str)},
+    "artifacts": {"plot": Nullable(str), "mixed_plot": Nullable(str)},
 }
 
 
@@ -152,7 +183,7 @@ def _check(value: Any, spec: Spec, path: str, errors: list[str]) -> None:
 
 
 def validate_report(doc: Any) -> list[str]:
-    """Every way ``doc`` differs from glm53-bench/1, as ``$.path: problem`` lines; empty when valid."""
+    """Every way ``doc`` differs from glm53-bench/2, as ``$.path: problem`` lines; empty when valid."""
     errors: list[str] = []
     _check(doc, REPORT, "$", errors)
     return errors

@@ -1,4 +1,4 @@
-"""Sends the benchmark's requests with the OpenAI client and assembles the glm53-bench/1 document."""
+"""Sends the benchmark's requests with the OpenAI client and assembles the glm53-bench/2 document."""
 from __future__ import annotations
 
 import time

@@ -35,6 +35,24 @@ class Server:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read()
 
+    def post_json(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        request = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        if self.api_key:
+            request.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode("utf-8", "replace")
+
+    def count_tokens(self, model: str, text: str) -> int:
+        """Tokens of `text` as the served model's tokenizer counts them (vLLM's /tokenize)."""
+        status, body = self.post_json("/tokenize", {"model": model, "prompt": text, "add_special_tokens": False})
+        if status != 200 or not isinstance(body, dict) or "count" not in body:
+            raise ServerError(f"POST {self.base_url}/tokenize answered HTTP {status}: {str(body)[:200]}")
+        return int(body["count"])
+
     def check_health(self) -> None:
         try:
             status, body = self.get("/health")

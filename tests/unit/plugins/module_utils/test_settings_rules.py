@@ -42,7 +42,7 @@ def test_every_rule_names_a_setting_of_the_spec() -> None:
     ("glm53_gpu_memory_utilization", 0, "in (0, 1]"),
     ("glm53_gpu_memory_utilization", 1.2, "in (0, 1]"),
     ("glm53_model_repo", "no-slash", "repo id"),
-    ("glm53_model_fallback_repos", [{"repo": "a/b", "revision": "has space"}], "Hugging Face repos"),
+    ("glm53_model_fallbacks", [{"repo": "a/b", "revision": "has space"}], "Hugging Face repos"),
     ("glm53_draft_revision", "", "branch, tag or commit"),
     ("glm53_hf_endpoint", "hub.local:8090", "http(s)"),
     ("glm53_hf_cache_dir", "relative/dir", "absolute path"),

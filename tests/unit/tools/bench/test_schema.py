@@ -1,4 +1,4 @@
-"""The glm53-bench/1 document: the checker, a document assembled from recorded data, and the docs page."""
+"""The glm53-bench/2 document: the checker, a document assembled from recorded data, and the docs page."""
 from __future__ import annotations
 
 import copy
@@ -59,7 +59,7 @@ def _mutated(path: str, value: Any = None, delete: bool = False) -> dict[str, An
 
 
 @pytest.mark.parametrize("path,value,delete,message", [
-    ("schema", "glm53-bench/2", False, "$.schema: expected 'glm53-bench/1'"),
+    ("schema", "glm53-bench/1", False, "$.schema: expected 'glm53-bench/2'"),
     ("created_utc", None, True, "$.created_utc: missing"),
     ("settings.runs", "5", False, "$.settings.runs: expected int, got str"),
     ("settings.runs", True, False, "$.settings.runs: expected int, got bool"),
@@ -71,7 +71,7 @@ def _mutated(path: str, value: Any = None, delete: bool = False) -> dict[str, An
     ("phases.0.levels.0.spec_decode.per_position", {}, False,
      "$.phases[0].levels[0].spec_decode.per_position: expected a list"),
     ("server.models", [], False, "$.server.models: expected an object"),
-    ("server.tokens_per_joule", 3.0, False, "$.server.tokens_per_joule: not in glm53-bench/1"),
+    ("server.tokens_per_joule", 3.0, False, "$.server.tokens_per_joule: not in glm53-bench/2"),
     ("phases", {}, False, "$.phases: expected a list"),
 ])
 def test_checker_names_the_bad_field(path: str, value: Any, delete: bool, message: str) -> None:
