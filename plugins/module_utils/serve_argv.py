@@ -24,7 +24,7 @@ _REQUIRED = (
 )
 _STRINGS = (
     "model", "served_model_name", "quantization", "kv_cache_dtype", "spec_method", "draft_model",
-    "tool_call_parser", "reasoning_parser", "attention_backend", "dtype", "host",
+    "tool_call_parser", "reasoning_parser", "attention_backend", "dtype", "api_bind",
 )
 _BOOLS = ("enable_prefix_caching", "skip_mm_profiling", "trust_remote_code", "enforce_eager")
 _TRUE = frozenset({"true", "yes", "on", "1"})
@@ -243,8 +243,8 @@ def _engine_args(s: Mapping[str, Any]) -> list[str]:
 def _api_args(s: Mapping[str, Any]) -> list[str]:
     """Flags only the head's API server reads; a headless rank has no API server."""
     argv = ["--port", str(as_int(s["port"]))]
-    if as_str(s.get("host")):
-        argv += ["--host", as_str(s["host"])]
+    if as_str(s.get("api_bind")):
+        argv += ["--host", as_str(s["api_bind"])]
     if as_str(s.get("served_model_name")):
         argv += ["--served-model-name", as_str(s["served_model_name"])]
     if as_str(s.get("tool_call_parser")):
