@@ -14,8 +14,11 @@ SPEC_METHODS = ("dflash", "mtp", "none")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 # The SM12x sparse-MLA backend only has fp8 kernels; anything else fails when the KV cache is built.
 _GPU_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
-# 8192 crashes on GB10 (REFERENCE: known failure modes); 4096 is the largest value seen working.
-_GPU_MAX_BATCHED_TOKENS = 4096
+# 8192 crashes the GB10 indexer (its shared-memory top-k path); the recipe's maintainers run 7168 by default
+# at max_num_seqs 4 (its .env: "7168 ... never 8192 (indexer smem)"), so that is the largest value seen working.
+_GPU_MAX_BATCHED_TOKENS = 7168
+# The argument spec's default utilization (roles/glm53/meta/argument_specs.yml; a unit test keeps them equal).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
 GPUS_PER_NODE = 1
 
 _REQUIRED = (
@@ -110,7 +113,14 @@ def validate_settings(settings: Mapping[str, Any], *, num_attention_heads: int =
     if port is not None and port == master:
         errors.append(f"{var('port')} and {var('master_port')} must differ (both are bound on the head)")
     _check(errors, settings, "max_model_len", as_int, lambda v: v > 0, "> 0")
-    _check(errors, settings, "gpu_memory_utilization", as_float, lambda v: 0 < v <= 1, "in (0, 1]")
+    util = _check(errors, settings, "gpu_memory_utilization", as_float, lambda v: 0 < v <= 1, "in (0, 1]")
+    kv_bytes = _check(errors, settings, "kv_cache_memory_bytes", as_int, lambda v: v >= 0,
+                      ">= 0 (0 lets glm53_gpu_memory_utilization size the KV cache)")
+    if kv_bytes and util is not None and util != DEFAULT_GPU_MEMORY_UTILIZATION:
+        # With a KV size vLLM no longer sizes anything from the utilization; it only keeps it as its start-up
+        # gate (free >= utilization x total). A changed utilization next to it would limit nothing it seems to.
+        errors.append(f"{var('kv_cache_memory_bytes')} ({kv_bytes}) sizes the KV cache, so {var('gpu_memory_utilization')} "
+                      f"must stay at its default {DEFAULT_GPU_MEMORY_UTILIZATION} (got {util}): set one of the two")
     seqs = _check(errors, settings, "max_num_seqs", as_int, lambda v: v >= 1, ">= 1")
     batched = _check(errors, settings, "max_num_batched_tokens", as_int, lambda v: v >= 1, ">= 1")
     if seqs is not None and batched is not None and batched < seqs:
@@ -218,6 +228,11 @@ def _engine_args(s: Mapping[str, Any]) -> list[str]:
         "--kv-cache-dtype", as_str(s["kv_cache_dtype"]),
         "--max-model-len", str(as_int(s["max_model_len"])),
         "--gpu-memory-utilization", str(as_float(s["gpu_memory_utilization"])),
+    ]
+    # The utilization stays on the line even then: vLLM still uses it as its start-up gate.
+    if as_int(s.get("kv_cache_memory_bytes") or 0) > 0:
+        argv += ["--kv-cache-memory-bytes", str(as_int(s["kv_cache_memory_bytes"]))]
+    argv += [
         "--max-num-seqs", str(as_int(s["max_num_seqs"])),
         "--max-num-batched-tokens", str(as_int(s["max_num_batched_tokens"])),
     ]

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from ansible_collections.sparkops.glm53.plugins.module_utils.serve_argv import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     render_serve_argv,
     settings_warnings,
     speculative_config,
@@ -251,9 +254,10 @@ def test_head_count_is_a_parameter():
 def test_gpu_warnings():
     warnings = settings_warnings(settings(max_num_batched_tokens=8192, kv_cache_dtype="bfloat16"))
     assert len(warnings) == 2
-    assert "glm53_max_num_batched_tokens=8192 is above 4096" in warnings[0]
+    assert "glm53_max_num_batched_tokens=8192 is above 7168" in warnings[0]
     assert "glm53_kv_cache_dtype=bfloat16" in warnings[1]
-    assert settings_warnings(settings(max_num_batched_tokens=4096)) == []
+    # The recipe's current default chunk.
+    assert settings_warnings(settings(max_num_batched_tokens=7168)) == []
     assert settings_warnings(settings(max_num_batched_tokens=8192), gpu=False) == []
     assert settings_warnings(settings(max_num_batched_tokens="junk")) == []
 
@@ -272,3 +276,30 @@ def test_triton_attention_for_the_dflash_draft_warns():
         assert any("TRITON_ATTN" in w and "acceptance" in w for w in warnings), warnings
     assert not any("TRITON_ATTN" in w for w in settings_warnings(settings(spec_method="none",
                                                                           attention_backend="TRITON_ATTN")))
+
+
+def test_kv_cache_memory_bytes_is_rendered_next_to_the_utilization_gate():
+    kv = settings(gpu_memory_utilization=DEFAULT_GPU_MEMORY_UTILIZATION, kv_cache_memory_bytes=15032385536)
+    for rank in (0, 1):
+        argv = render_serve_argv(kv, rank=rank, nnodes=2, master_addr="10.0.0.1")
+        assert flag(argv, "--kv-cache-memory-bytes") == "15032385536"
+        assert flag(argv, "--gpu-memory-utilization") == str(DEFAULT_GPU_MEMORY_UTILIZATION)
+    for unset in (0, "0", None):
+        argv = render_serve_argv(settings(kv_cache_memory_bytes=unset), rank=0, nnodes=2, master_addr="10.0.0.1")
+        assert "--kv-cache-memory-bytes" not in argv
+
+
+def test_kv_cache_memory_bytes_together_with_a_changed_utilization_is_refused():
+    errors = validate_settings(settings(gpu_memory_utilization=0.9, kv_cache_memory_bytes="11811160064"))
+    assert errors == ["glm53_kv_cache_memory_bytes (11811160064) sizes the KV cache, so glm53_gpu_memory_utilization "
+                      f"must stay at its default {DEFAULT_GPU_MEMORY_UTILIZATION} (got 0.9): set one of the two"]
+    assert validate_settings(settings(gpu_memory_utilization=0.9, kv_cache_memory_bytes=0)) == []
+    assert validate_settings(settings(kv_cache_memory_bytes=-1)) == [
+        "glm53_kv_cache_memory_bytes must be >= 0 (0 lets glm53_gpu_memory_utilization size the KV cache) (got -1)"]
+
+
+def test_the_default_utilization_is_the_argument_specs_default():
+    spec = Path(__file__).resolve().parents[4] / "roles" / "glm53" / "meta" / "argument_specs.yml"
+    options = yaml.safe_load(spec.read_text())["argument_specs"]["main"]["options"]
+    assert options["glm53_gpu_memory_utilization"]["default"] == DEFAULT_GPU_MEMORY_UTILIZATION
+    assert options["glm53_kv_cache_memory_bytes"]["default"] == 0
