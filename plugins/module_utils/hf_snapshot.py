@@ -54,16 +54,11 @@ class SnapshotSource:
     revision: str
 
 
-def candidate_sources(repo_id: str, fallback_repo_ids: Sequence[str], revision: str) -> list[SnapshotSource]:
-    """Primary first, then fallbacks in the order given. A fallback may pin its own revision as
-    ORG/REPO@REV, since a mirror repo has other commit shas than the primary; without @REV it is
-    asked for the primary's revision (which then only works for branch or tag names)."""
-    sources = [SnapshotSource(repo_id, revision)]
-    for item in fallback_repo_ids:
-        name, _, pinned = item.partition("@")
-        sources.append(SnapshotSource(name, pinned or revision))
+def candidate_sources(repo_id: str, revision: str, fallbacks: Sequence[SnapshotSource] = ()) -> list[SnapshotSource]:
+    """The primary first, then the fallbacks in the order given, each with its own revision: a commit sha
+    belongs to one repo, so a mirror's pin never applies to the repo it mirrors. Duplicates are dropped."""
     unique: list[SnapshotSource] = []
-    for source in sources:
+    for source in [SnapshotSource(repo_id, revision), *fallbacks]:
         if source not in unique:
             unique.append(source)
     return unique
@@ -360,7 +355,7 @@ class SnapshotRequest:
     repo_id: str
     revision: str
     cache_dir: str
-    fallback_repo_ids: tuple[str, ...] = ()
+    fallbacks: tuple[SnapshotSource, ...] = ()
     allow_patterns: Optional[tuple[str, ...]] = None
     ignore_patterns: Optional[tuple[str, ...]] = None
     refresh: bool = False
@@ -476,7 +471,7 @@ def download_missing(req: SnapshotRequest, hub: Hub, plan: DownloadPlan,
 def ensure_snapshot(req: SnapshotRequest, hub_factory: Callable[[], Hub], check_mode: bool = False,
                     clock: Callable[[], float] = time.monotonic) -> SnapshotResult:
     """Make one candidate's snapshot complete (or, in check mode, say what that would take)."""
-    sources = candidate_sources(req.repo_id, req.fallback_repo_ids, req.revision)
+    sources = candidate_sources(req.repo_id, req.revision, req.fallbacks)
     if not req.refresh:
         for source in sources:
             plan = complete_local_snapshot(req, source)

@@ -15,7 +15,8 @@ description:
   - Writes the manifest as JSON to C(models--ORG--REPO/manifests/SHA.json) in the cache, so workers can
     verify an rsynced copy with M(sparkops.glm53.snapshot_verify), and so a re-run with a commit sha
     (or a branch resolved before) finishes without contacting the hub.
-  - When the primary repo cannot be listed or fully downloaded, the O(fallback_repo_ids) are tried in order.
+  - When the primary repo cannot be listed or fully downloaded, the O(fallbacks) are tried in order, each at
+    its own revision.
 version_added: "0.1.0"
 author: sparkops
 requirements:
@@ -25,14 +26,23 @@ options:
     description: Primary model repository, C(ORG/NAME).
     type: str
     required: true
-  fallback_repo_ids:
+  fallbacks:
     description:
       - Repositories tried in order when the primary is missing, lacks the revision or cannot be downloaded
-        completely. C(ORG/NAME@REVISION) pins that repo's own revision (mirrors have other commit shas);
-        without C(@REVISION) the O(revision) is used.
+        completely, each with its own revision (a commit sha belongs to one repo: a mirror and the repo it
+        mirrors have different shas for the same files).
     type: list
-    elements: str
+    elements: dict
     default: []
+    suboptions:
+      repo_id:
+        description: Repository, C(ORG/NAME).
+        type: str
+        required: true
+        aliases: [repo]
+      revision:
+        description: Commit sha (recommended), branch or tag of that repository; omitted, O(revision) is used.
+        type: str
   revision:
     description: Commit sha (recommended), branch or tag.
     type: str
@@ -87,9 +97,10 @@ EXAMPLES = r"""
 - name: Download the pinned model revision on the head node
   sparkops.glm53.hf_snapshot:
     repo_id: Mia-AiLab/GLM-5.3-Flash-EXL3-TR3-4bpw
-    fallback_repo_ids:
-      - brandonmusic/GLM-5.3-Flash-EXL3-TR3-4bpw@0123456789abcdef0123456789abcdef01234567
-    revision: "{{ glm53_model_revision }}"
+    revision: 25a44fdbf16862a46b7cc9921142c6c81350af2f
+    fallbacks:
+      - repo_id: brandonmusic/GLM-5.3-Flash-tr3-4bpw
+        revision: 5ab363a8dcf6405955fd5f99671e01a1c9fb124b
     cache_dir: /srv/hf-cache/hub
     token: "{{ glm53_hf_token | default(omit) }}"
     progress_file: /tmp/glm53-download.json
@@ -156,6 +167,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.hf_snapshot import 
     HuggingFaceHub,
     SnapshotError,
     SnapshotRequest,
+    SnapshotSource,
     ensure_snapshot,
 )
 
@@ -168,7 +180,10 @@ def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
             repo_id=dict(type="str", required=True),
-            fallback_repo_ids=dict(type="list", elements="str", default=[]),
+            fallbacks=dict(type="list", elements="dict", default=[], options=dict(
+                repo_id=dict(type="str", required=True, aliases=["repo"]),
+                revision=dict(type="str"),
+            )),
             revision=dict(type="str", default="main"),
             cache_dir=dict(type="path", required=True),
             token=dict(type="str", no_log=True),
@@ -186,7 +201,7 @@ def main() -> None:
         repo_id=p["repo_id"],
         revision=p["revision"],
         cache_dir=p["cache_dir"],
-        fallback_repo_ids=tuple(p["fallback_repo_ids"]),
+        fallbacks=tuple(SnapshotSource(f["repo_id"], f["revision"] or p["revision"]) for f in p["fallbacks"]),
         allow_patterns=_tuple_or_none(p["allow_patterns"]),
         ignore_patterns=_tuple_or_none(p["ignore_patterns"]),
         refresh=p["refresh"],

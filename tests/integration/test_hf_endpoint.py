@@ -126,7 +126,7 @@ def test_resume_after_truncated_and_interrupted_files(hub, tmp_path):
 def test_missing_primary_falls_back_to_the_pinned_mirror(hub, tmp_path):
     mirror_sha = hub["shas"][MIRROR]
     result = ensure(
-        request(hub, tmp_path, repo_id="sim/absent", fallback_repo_ids=(f"{MIRROR}@{mirror_sha}",)),
+        request(hub, tmp_path, repo_id="sim/absent", fallbacks=(SnapshotSource(MIRROR, mirror_sha),)),
         factory(hub, tmp_path),
     )
     assert result.repo_id == MIRROR and result.revision == mirror_sha
@@ -136,7 +136,7 @@ def test_missing_primary_falls_back_to_the_pinned_mirror(hub, tmp_path):
 
 def test_unknown_primary_revision_falls_back(hub, tmp_path):
     result = ensure(
-        request(hub, tmp_path, revision="0" * 40, fallback_repo_ids=(f"{MIRROR}@{hub['shas'][MIRROR]}",)),
+        request(hub, tmp_path, revision="0" * 40, fallbacks=(SnapshotSource(MIRROR, hub["shas"][MIRROR]),)),
         factory(hub, tmp_path),
     )
     assert result.repo_id == MIRROR and "0" * 40 in result.attempts[0]["error"]
