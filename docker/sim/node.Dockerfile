@@ -5,7 +5,7 @@ FROM ${BASE_IMAGE}
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       docker.io openssh-server openssh-client rsync python3 python3-requests python3-docker \
-      iproute2 procps ca-certificates curl sudo python3-venv python3-pip \
+      iproute2 iputils-ping procps ca-certificates curl sudo python3-venv python3-pip \
  && rm -rf /var/lib/apt/lists/* \
  && mkdir -p /run/sshd /root/.ssh /etc/docker \
  && chmod 700 /root/.ssh \
