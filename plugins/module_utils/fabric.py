@@ -263,30 +263,6 @@ def _no_rdma(sysfs_root: Path) -> FabricError:
                        "is the CX7 driver (mlx5_ib) loaded?", option="rdma")
 
 
-def find_rdma_port(sysfs_root: Path, netdev: str, hca: str = "") -> tuple[str, int, list[GidEntry]]:
-    """The one RDMA port whose GID table lists `netdev` (restricted to a pinned `hca`)."""
-    ports = list_rdma_ports(sysfs_root)
-    if hca and not any(h == hca for h, _ in ports):
-        known = ", ".join(sorted({h for h, _ in ports})) or f"none under {sysfs_root / 'class' / 'infiniband'}"
-        raise FabricError(f"pinned hca {hca} does not exist (RDMA devices: {known})", option="hca")
-    if not ports:
-        raise _no_rdma(sysfs_root)
-    matches = []
-    for h, p in ports:
-        if hca and h != hca:
-            continue
-        table = read_gid_table(sysfs_root, h, p)
-        if any(e.ndev == netdev for e in table):
-            matches.append((h, p, table))
-    if not matches:
-        where = f"hca {hca}" if hca else "any RDMA device"
-        raise FabricError(f"no port of {where} belongs to netdev {netdev}", option="hca")
-    if len(matches) > 1:
-        names = ", ".join(f"{h}:{p}" for h, p, _ in matches)
-        raise FabricError(f"netdev {netdev} appears on several RDMA ports ({names}); pin hca", option="hca")
-    return matches[0]
-
-
 def resolve_gid_index(entries: list[GidEntry], ip: ipaddress.IPv4Address, netdev: str,
                       hca: str, port: int, pinned: int | None = None) -> int:
     found = select_gid_index(entries, ip, netdev)

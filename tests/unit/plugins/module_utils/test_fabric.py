@@ -11,7 +11,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.fabric import (
     HcaPin,
     Rail,
     discover_fabric,
-    find_rdma_port,
+    find_rails,
     hca_env,
     inspect_fabric,
     ipv4_mapped_gid,
@@ -30,6 +30,11 @@ IP = ipaddress.IPv4Address
 
 def addrs(name: str):
     return parse_ip_addr_json((FIXTURES / "ip_addr" / f"{name}.json").read_text())
+
+
+def first_rail(ip_fixture: str, sysfs: str, netdev: str, ip: str, hca: str = ""):
+    port, _ = find_rails(addrs(ip_fixture), IP(ip), netdev, SYSFS / sysfs, parse_hca_pins(hca))[0]
+    return port.hca, port.port, port.table
 
 
 def discover(ip_fixture: str, sysfs: str, fabric_ip: str, **kw):
@@ -129,22 +134,22 @@ def test_select_gid_index_skips_v1_and_other_netdevs():
     assert select_gid_index(table[:3], IP("10.0.0.1"), "enp1s0f1np1") is None
 
 
-def test_find_rdma_port_maps_netdev_to_its_hca():
-    hca, port, table = find_rdma_port(SYSFS / "spark-head", "enp1s0f1np1")
+def test_find_rails_maps_netdev_to_its_hca():
+    hca, port, table = first_rail("spark-head", "spark-head", "enp1s0f1np1", "10.0.0.1")
     assert (hca, port, len(table)) == ("rocep1s0f1", 1, 8)
-    assert find_rdma_port(SYSFS / "spark-head", "enP2p1s0f1np1")[0] == "roceP2p1s0f1"
+    assert first_rail("spark-dual-head", "spark-dual-head", "enP2p1s0f1np1", "10.0.1.1")[0] == "roceP2p1s0f1"
 
 
-def test_find_rdma_port_with_wrong_pinned_hca():
+def test_find_rails_with_wrong_pinned_hca():
     with pytest.raises(FabricError, match="no port of hca rocep1s0f0 belongs to netdev enp1s0f1np1"):
-        find_rdma_port(SYSFS / "spark-head", "enp1s0f1np1", "rocep1s0f0")
+        first_rail("spark-head", "spark-head", "enp1s0f1np1", "10.0.0.1", "rocep1s0f0")
     with pytest.raises(FabricError, match=r"pinned hca mlx5_0 does not exist \(RDMA devices: roceP2p1s0f0"):
-        find_rdma_port(SYSFS / "spark-head", "enp1s0f1np1", "mlx5_0")
+        first_rail("spark-head", "spark-head", "enp1s0f1np1", "10.0.0.1", "mlx5_0")
 
 
-def test_find_rdma_port_without_rdma_devices():
+def test_find_rails_without_rdma_devices():
     with pytest.raises(FabricError, match="no RDMA devices under .*sim-node/class/infiniband"):
-        find_rdma_port(SYSFS / "sim-node", "eth0")
+        first_rail("sim-node", "sim-node", "eth0", "172.28.0.11")
 
 
 def test_resolve_gid_index_without_match_lists_the_table():
@@ -258,10 +263,10 @@ def test_discover_rejects_non_ipv4():
     [
         (lambda: netdev_for_ip(addrs("spark-head"), IP("10.0.0.9")), "fabric_ip"),
         (lambda: netdev_for_ip(addrs("spark-head"), IP("10.0.0.1"), "enP7s7"), "netdev"),
-        (lambda: find_rdma_port(SYSFS / "spark-head", "enp1s0f1np1", "mlx5_0"), "hca"),
-        (lambda: find_rdma_port(SYSFS / "spark-head", "enp1s0f1np1", "rocep1s0f0"), "hca"),
-        (lambda: find_rdma_port(SYSFS / "sim-node", "eth0"), "rdma"),
-        (lambda: find_rdma_port(SYSFS / "sim-node", "eth0", "mlx5_9"), "hca"),
+        (lambda: first_rail("spark-head", "spark-head", "enp1s0f1np1", "10.0.0.1", "mlx5_0"), "hca"),
+        (lambda: first_rail("spark-head", "spark-head", "enp1s0f1np1", "10.0.0.1", "rocep1s0f0"), "hca"),
+        (lambda: first_rail("sim-node", "sim-node", "eth0", "172.28.0.11"), "rdma"),
+        (lambda: first_rail("sim-node", "sim-node", "eth0", "172.28.0.11", "mlx5_9"), "hca"),
         (lambda: resolve_gid_index(read_gid_table(SYSFS / "gid-moved", "rocep1s0f1", 1), IP("10.0.0.1"),
                                    "enp1s0f1np1", "rocep1s0f1", 1, 3), "gid_index"),
     ],
@@ -274,7 +279,7 @@ def test_fabric_errors_name_the_option_to_fix(call, option):
 
 def test_pinned_hca_on_a_node_without_rdma_devices_names_the_pin():
     with pytest.raises(FabricError, match=r"pinned hca mlx5_9 does not exist \(RDMA devices: none under .*infiniband"):
-        find_rdma_port(SYSFS / "sim-node", "eth0", "mlx5_9")
+        first_rail("sim-node", "sim-node", "eth0", "172.28.0.11", "mlx5_9")
 
 
 def test_pinned_netdev_that_does_not_exist_says_so():
