@@ -134,8 +134,8 @@ gid_index:
   sample: 3
 rails:
   description:
-    - Every rail, the fabric netdev's first. With O(rdma=false), the fabric netdev alone (RV(rails[].hca) null).
-    - RV(rails[].gid_index) is that rail's own RoCE v2 GID index; RV(gid_index) the one valid on all rails.
+    - Every rail, the fabric netdev's first. With O(rdma=false), the fabric netdev alone (its C(hca) null).
+    - C(gid_index) of a rail is its own RoCE v2 GID index; RV(gid_index) is the one valid on all rails.
   returned: success
   type: list
   elements: dict
