@@ -31,7 +31,7 @@ def main() -> None:
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://{args.master}:{args.port}", rank=args.rank,
-                            world_size=args.world, timeout=timedelta(seconds=300))
+                            world_size=args.world, timeout=timedelta(seconds=300), device_id=torch.device("cuda", 0))
     for mib in (int(s) for s in args.sizes_mib.split(",")):
         size = mib * 2**20
         data = torch.ones(size // 4, dtype=torch.float32, device="cuda")
