@@ -26,7 +26,7 @@ from rich.console import Console
 from .phases import MIXED, PHASES
 from .prometheus_deltas import has_spec_decode
 from .report_schema import SCHEMA_ID, validate_report
-from .results_table import results_table
+from .results_table import mixed_table, results_table
 from .server_info import load_server_info, serve_argv, spec_config
 from .server_probe import Server, ServerError, wait_until_idle
 
@@ -53,7 +53,7 @@ def _phase_list(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench_decode", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="bench_decode", description=__doc__.split("\n\n", maxsplit=1)[0])
     parser.add_argument("--base-url", required=True, help="API root, e.g. http://10.0.0.1:8888 (a /v1 suffix is fine)")
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--api-key-env", default="GLM53_API_KEY",
@@ -198,17 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     problems = validate_report(report)
     json_path.write_text(json.dumps(report, indent=2) + "\n")
 
-    Console().print(results_table(report))
+    if report["phases"]:
+        Console().print(results_table(report))
+    if report["mixed"] is not None:
+        Console().print(mixed_table(report["mixed"]))
     for warning in bench.warnings:
         err.print(f"[yellow]warning:[/] {warning}", highlight=False)
     print(f"results: {json_path}")
     if report["artifacts"]["plot"]:
         print(f"plot: {png_path}")
-    if report["mixed"] is not None:
-        m = report["mixed"]
-        print(f"mixed: decode tok/s per stream before/during/after the long prefill: "
-              + " / ".join("-" if v is None else f"{v:.1f}" for v in m["decode_tok_s"].values())
-              + f"; long TTFT {m['long_ttft_s']}s; short TTFT {m['short_ttft_s']}s")
     if report["artifacts"]["mixed_plot"]:
         print(f"mixed plot: {args.out / report['artifacts']['mixed_plot']}")
     if problems:
@@ -222,4 +220,3 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[bold red]{failed} request(s) failed[/]" if failed else "[bold red]coherence probes failed[/]")
         return EXIT_FAILED_REQUESTS
     return EXIT_OK
-

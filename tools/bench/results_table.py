@@ -31,3 +31,14 @@ def results_table(report: Mapping[str, Any]) -> Table:
                 _num(prefix.get("hit_rate"), "{:.0%}"), str(level["errors"]) if level["errors"] else "",
             )
     return table
+
+
+def mixed_table(mixed: Mapping[str, Any]) -> Table:
+    """The mixed phase: what one long cold prompt does to the decode streams and to a short request."""
+    table = Table(title=f"mixed: {mixed['streams']} stream(s) while a {mixed['long_prompt_tokens']}-token prompt prefills")
+    for name in ("decode tok/s before", "during", "after", "longest gap s", "long TTFT s", "short TTFT s"):
+        table.add_column(name, justify="right")
+    rates = mixed["decode_tok_s"]
+    table.add_row(_num(rates["before"]), _num(rates["during"]), _num(rates["after"]),
+                  *(_num(mixed[key], "{:.2f}") for key in ("longest_gap_during_s", "long_ttft_s", "short_ttft_s")))
+    return table

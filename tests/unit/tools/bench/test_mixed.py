@@ -90,3 +90,16 @@ def test_cold_prompts_are_near_their_size_and_never_share_a_first_word() -> None
     a, b = cold_long_prompt(count, 500), cold_long_prompt(count, 500)
     assert a.split()[1] != b.split()[1]
     assert 450 <= count(a) <= 520
+
+
+def test_the_terminal_table_shows_the_three_rates_and_both_ttfts() -> None:
+    from rich.console import Console
+
+    from tools.bench.results_table import mixed_table
+
+    doc = summarize_mixed(MixedSettings(1, 5000, 200), [steady(0.5, 12.0, 20.0, pause=(4.0, 7.0))],
+                          Arrivals(sent=4.0, points=[(7.0, 1)], prompt_tokens=5000), Arrivals(sent=4.05, points=[(7.2, 1)]))
+    console = Console(width=200, record=True)
+    console.print(mixed_table(doc))
+    text = console.export_text()
+    assert "5000-token prompt" in text and "0.0" in text and "3.00" in text and "3.15" in text
