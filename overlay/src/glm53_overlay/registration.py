@@ -56,9 +56,21 @@ def register_spec_decode_glue() -> str | None:
     return f"spec:{'+'.join(installed)}" if installed else None
 
 
+def register_sm12x_fixes() -> str | None:
+    # The recipe's GB10 fixes our vLLM still needs, only on SM12x devices (see glm53_overlay.sm12x).
+    from glm53_overlay.sm12x import APPLIED, PENDING, device_capability, install_fixes
+
+    install = find_vllm()
+    if install is None:
+        return None
+    active = [s.name for s in install_fixes(install, device_capability()) if s.state in (APPLIED, PENDING)]
+    return f"sm12x:{'+'.join(active)}" if active else None
+
+
 # Each registrar returns the name of what it registered, or None when it skipped (and logged why).
 REGISTRARS: tuple[Callable[[], str | None], ...] = (
     register_exl3_quantization, register_ablation_hook, register_nope_mla_padding, register_spec_decode_glue,
+    register_sm12x_fixes,
 )
 
 

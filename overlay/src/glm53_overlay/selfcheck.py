@@ -124,6 +124,25 @@ def check_exl3_moe_cuda_graph() -> tuple[bool, str]:
     return ok, f"3 replays at T=1: rel err {max(errs):.2e}, max |replay - eager| {max(diffs):.1e} (must be 0)"
 
 
+def sm12x_check(fix: str) -> Callable[[], tuple[bool, str]]:
+    """One entry per carried GB10 fix: applied, not needed (and why), or failed (docs/gb10.md)."""
+
+    def check() -> tuple[bool, str]:
+        from glm53_overlay import sm12x
+
+        status = sm12x.current_status(fix)
+        return status.state != sm12x.FAILED, f"{status.state}: {status.detail}"
+
+    check.__name__ = "check_sm12x_" + fix.replace("-", "_")
+    return check
+
+
+def _sm12x_checks() -> tuple[Callable[[], tuple[bool, str]], ...]:
+    from glm53_overlay.sm12x import fix_names
+
+    return tuple(sm12x_check(name) for name in fix_names())
+
+
 CHECKS: tuple[Callable[[], tuple[bool, str]], ...] = (
     check_entry_point,
     check_vllm_importable,
@@ -133,6 +152,7 @@ CHECKS: tuple[Callable[[], tuple[bool, str]], ...] = (
     check_exl3_gemm_k4_mcg,
     check_exl3_moe_apply,
     check_exl3_moe_cuda_graph,
+    *_sm12x_checks(),
 )
 
 
