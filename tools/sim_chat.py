@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Send one chat completion to the deployment described by an inventory and print the answer.
 
     python tools/sim_chat.py --inventory inventory/sim [--check]

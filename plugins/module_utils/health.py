@@ -4,8 +4,8 @@
 
 The decisions (is a rank dead, is the API up, is the canary answer coherent) are pure functions and
 small classes. The waiting loop takes its I/O (commands, HTTP, clock, sleep, progress sink) as
-arguments, so tests drive it without docker, SSH or a network. The stdlib adapters at the bottom are
-what the module plugs in on the target node.
+arguments, so tests drive it without docker, SSH or a network. The adapters at the bottom (subprocess and
+Ansible's open_url) are what the module plugs in on the target node.
 """
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import subprocess
 import tempfile
 import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ansible.module_utils.urls import ConnectionError as UrlsConnectionError, open_url
 
 INSPECT_FORMAT = "{{.State.Status}} {{.State.ExitCode}} {{.State.FinishedAt}}"
 SSH_OPTIONS: Tuple[str, ...] = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
@@ -501,7 +502,7 @@ class HealthWaiter:
         self.phase = PHASE_WARMUP
         self.report()
         warm_start = self.io.clock()
-        warmup_statuses = [self.post_chat().status for _ in range(max(0, self.cfg.warmup_requests))]
+        warmup_statuses = [self.post_chat().status for _request in range(max(0, self.cfg.warmup_requests))]
         warmup_s = round(self.io.clock() - warm_start, 3)
 
         self.phase = PHASE_CANARY
@@ -512,8 +513,8 @@ class HealthWaiter:
                   "warmup_statuses": warmup_statuses, "canary_text": verdict.text}
         if not verdict.ok:
             return self.fail(
-                "vLLM answers /health but the canary failed: %s" % (verdict.reason if answer.status else
-                                                                     answer.describe()),
+                "vLLM answers /health but the canary failed: %s"
+                % (verdict.reason if answer.status else answer.describe()),
                 canary_status=answer.status, canary_body=(answer.body or answer.error)[:CANARY_BODY_LIMIT],
                 canary_finish_reason=verdict.finish_reason, canary_completion_tokens=verdict.completion_tokens,
                 **common,
@@ -546,13 +547,12 @@ def subprocess_runner(argv: Sequence[str], timeout: float, merge_stderr: bool) -
 
 
 def urllib_http(method: str, url: str, headers: Mapping[str, str], body: Optional[bytes], timeout: float) -> HttpResult:
-    request = urllib.request.Request(url, data=body, headers=dict(headers), method=method)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:  # noqa: S310 - URL is the operator's
+        with open_url(url, data=body, headers=dict(headers), method=method, timeout=timeout) as resp:
             return HttpResult(resp.status, resp.read().decode("utf-8", "replace"))
     except urllib.error.HTTPError as exc:
         return HttpResult(exc.code, exc.read().decode("utf-8", "replace"))
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, UrlsConnectionError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         return HttpResult(0, "", "%s: %s" % (type(exc).__name__, reason))
 

@@ -160,4 +160,3 @@ def describe_state(state: LockState, now: float) -> str:
     if state.holder is None:
         return "an unnamed holder (no readable %s, lock %d s old)" % (HOLDER_FILE, int(state.age_s))
     return state.holder.describe(now)
-

@@ -19,7 +19,7 @@ description:
   - Returns the per-rank environment for NCCL, gloo and vLLM. Changes nothing on the host.
 version_added: 0.1.0
 author:
-  - sparkops
+  - sparkops (!UNKNOWN)
 requirements:
   - iproute2 (the C(ip) command) on the target.
 options:

@@ -18,7 +18,8 @@ description:
   - When the primary repo cannot be listed or fully downloaded, the O(fallbacks) are tried in order, each at
     its own revision.
 version_added: "0.1.0"
-author: sparkops
+author:
+  - sparkops (!UNKNOWN)
 requirements:
   - huggingface_hub >= 0.34 on the target
 options:
@@ -83,11 +84,14 @@ options:
     default: 4
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details: Lists the revision on the hub and reports what would be downloaded, without writing anything.
   diff_mode:
+    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
   idempotent:
+    description: When run twice in a row outside check mode, with the same arguments, the second invocation indicates no change.
     support: full
 notes:
   - Progress bars of huggingface_hub are disabled; use O(progress_file) with C(async) to watch a long download.

@@ -19,7 +19,8 @@ description:
     C(skipped) with the reason and the settings are judged on the memory as it is.
   - Never fails because a setting does not fit; the caller decides what to do with RV(problems).
 version_added: "0.2.0"
-author: sparkops
+author:
+  - sparkops (!UNKNOWN)
 options:
   gpu:
     description: The node runs the engine on a unified-memory GPU (GB10). false is a CPU engine (simulation).
@@ -73,11 +74,14 @@ options:
     default: /proc/sys/vm/drop_caches
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details: Reads and judges for real; the page cache is not dropped (RV(drop.status) is C(would drop)).
   diff_mode:
+    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
   idempotent:
+    description: When run twice in a row outside check mode, with the same arguments, the second invocation indicates no change.
     support: full
     details: Dropping clean page cache again frees what was cached since; nothing else changes.
 """

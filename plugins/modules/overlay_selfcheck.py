@@ -20,7 +20,7 @@ description:
   - A container name is added when O(docker_run_args) has none, so a run that overruns O(timeout) is
     removed with C(docker rm -f).
 author:
-  - sparkops
+  - sparkops (!UNKNOWN)
 options:
   image:
     description: Image reference to check.
@@ -53,11 +53,14 @@ options:
     default: []
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details: The self-check only reads the image, so it runs in check mode too.
   diff_mode:
+    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
   idempotent:
+    description: When run twice in a row outside check mode, with the same arguments, the second invocation indicates no change.
     support: full
     details: RV(changed) is always false.
 notes:

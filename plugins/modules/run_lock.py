@@ -19,7 +19,7 @@ description:
   - The lock is bookkeeping of one run, not configuration. The module never reports C(changed), so a re-run
     of the playbook stays at C(changed=0).
 author:
-  - sparkops
+  - sparkops (!UNKNOWN)
 options:
   path:
     description: The lock directory on the target (its parent is created when missing).
@@ -64,12 +64,15 @@ options:
     default: ""
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details:
       - Never creates, waits for or removes the lock; reports whether it is free and who holds it.
   diff_mode:
+    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
   idempotent:
+    description: When run twice in a row outside check mode, with the same arguments, the second invocation indicates no change.
     support: full
     details: Taking a lock already held with the same token, or releasing one not held, does nothing.
 notes:

@@ -15,7 +15,8 @@ description:
   - Writes the marker file only when the copy is complete, and removes a marker that would claim an
     incomplete copy. A marker whose revision matches lets later runs skip the rsync.
 version_added: "0.1.0"
-author: sparkops
+author:
+  - sparkops (!UNKNOWN)
 options:
   path:
     description: The snapshot directory to verify (C(.../models--ORG--REPO/snapshots/SHA)).
@@ -42,11 +43,14 @@ options:
     default: true
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details: Verifies for real and reports whether the marker would be written or removed.
   diff_mode:
+    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
   idempotent:
+    description: When run twice in a row outside check mode, with the same arguments, the second invocation indicates no change.
     support: full
 """
 

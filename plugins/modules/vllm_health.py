@@ -27,7 +27,7 @@ description:
     does not change while vLLM runs).
   - Never reports C(changed); it only observes.
 author:
-  - sparkops
+  - sparkops (!UNKNOWN)
 options:
   url:
     description: Base URL of the head's OpenAI-compatible API, as seen from the head.
@@ -115,14 +115,17 @@ options:
     type: path
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: partial
     details:
       - In check mode the module makes one probe without waiting (container states, C(/health),
         C(/v1/models)), sends no warmup or canary request, and reports what it saw in RV(ready)
         without failing when vLLM is not up.
   diff_mode:
+    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
   idempotent:
+    description: When run twice in a row outside check mode, with the same arguments, the second invocation indicates no change.
     support: full
     details: It only reads state; RV(changed) is always false.
 notes:
@@ -293,7 +296,8 @@ RANK_OPTIONS = dict(
 )
 CANARY_OPTIONS = dict(
     prompt=dict(type="str", default="Reply with one short sentence: what is the capital of France?"),
-    max_tokens=dict(type="int", default=32),
+    # A token count, not a secret (validate-modules guesses secrets from the word "token").
+    max_tokens=dict(type="int", default=32, no_log=False),
     expect_regex=dict(type="str"),
     enable_thinking=dict(type="bool", default=False),
 )

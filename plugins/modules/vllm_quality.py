@@ -24,7 +24,7 @@ description:
   - Token ids in, token ids out; the server's tokenizer and chat template play no part, so the windows
     must have been rendered the way the served model is prompted (the set records how).
 author:
-  - sparkops
+  - sparkops (!UNKNOWN)
 options:
   url:
     description: Base URL of the head's OpenAI-compatible API, as seen from the head.
@@ -66,13 +66,16 @@ options:
     type: path
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: partial
     details:
       - In check mode the module reads and validates the reference set and asks C(/v1/models) once; it
         sends no window, writes no report, never fails on the API, and returns RV(would_score).
   diff_mode:
+    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
   idempotent:
+    description: When run twice in a row outside check mode, with the same arguments, the second invocation indicates no change.
     support: full
     details: It only reads; RV(changed) is always false (the report file is evidence, not state).
 notes:

@@ -45,7 +45,7 @@ def parse_metrics(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 
 def total(snapshot: Snapshot, name: str) -> float | None:
-    values = [v for (n, _), v in snapshot.items() if n == name]
+    values = [v for (n, _labels), v in snapshot.items() if n == name]
     return sum(values) if values else None
 
 

@@ -189,8 +189,10 @@ def validate_report(doc: Any) -> list[str]:
     return errors
 
 
-def field_paths(spec: Spec = REPORT, prefix: str = "") -> Iterator[str]:
-    """Dotted paths of every named field (``phases[].levels[].wall_s``), for the docs check."""
+def field_paths(spec: Spec | None = None, prefix: str = "") -> Iterator[str]:
+    """Dotted paths of every named field (``phases[].levels[].wall_s``) of ``spec`` (the report), for the docs check."""
+    if spec is None:
+        spec = REPORT
     while isinstance(spec, (Nullable, ListOf)):
         if isinstance(spec, ListOf):
             prefix += "[]"

@@ -67,8 +67,8 @@ class LevelRun:
 def measure_level(client: openai.OpenAI, model: str, phase: Phase, concurrency: int, runs: int,
                   max_tokens: int) -> LevelRun:
     """``concurrency`` streams side by side, each sending ``runs`` requests one after another."""
-    def one_stream(_: int) -> list[RequestResult]:
-        return [stream_chat(client, model, phase.prompt, max_tokens) for _ in range(runs)]
+    def one_stream(_stream: int) -> list[RequestResult]:
+        return [stream_chat(client, model, phase.prompt, max_tokens) for _request in range(runs)]
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:

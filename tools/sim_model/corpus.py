@@ -55,6 +55,7 @@ def known_word_fraction(reply: str) -> float:
     words = [w.strip(".,!?:;").lower() for w in reply.split() if w.strip(".,!?:;")]
     if not words:
         return 0.0
+
     # Dropped whitespace tokens glue neighbours ("followThe"); count a glued pair as known if both parts are.
     def known(word: str) -> bool:
         return word in vocabulary or any(

@@ -24,4 +24,3 @@ def nope_rotary() -> Iterator[None]:
         yield
     finally:
         glm.apply_rotary_pos_emb_interleave = rotate
-

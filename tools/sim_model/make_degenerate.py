@@ -99,7 +99,7 @@ def make_degenerate(model_dir: Path) -> list[str]:
             names = list(handle.keys())
             if EMBED in names or LM_HEAD in names:
                 tensors_by_file[path] = ({n: handle.get_tensor(n) for n in names}, handle.metadata() or {})
-    found = {name: path for path, (tensors, _) in tensors_by_file.items() for name in tensors if name in (EMBED, LM_HEAD)}
+    found = {name: path for path, (tensors, _metadata) in tensors_by_file.items() for name in tensors if name in (EMBED, LM_HEAD)}
     if set(found) != {EMBED, LM_HEAD}:
         raise ValueError(f"{model_dir} lacks {sorted({EMBED, LM_HEAD} - set(found))} (tied embeddings are not supported)")
     embed, head = plant_eos(tensors_by_file[found[EMBED]][0][EMBED], tensors_by_file[found[LM_HEAD]][0][LM_HEAD], eos_id)

@@ -56,7 +56,7 @@ def test_prefix_cache_delta() -> None:
 def test_created_series_are_not_counted() -> None:
     snap = scrape("metrics_before.txt")
     assert total(snap, DRAFTS) == 10234  # not 10234 + 1.76e9 from vllm:spec_decode_num_drafts_created
-    assert not any(name.endswith("_created") for name, _ in snap)
+    assert not any(name.endswith("_created") for name, _labels in snap)
 
 
 def test_data_parallel_engines_are_summed() -> None:

@@ -37,7 +37,7 @@ def test_plant_eos_wins_for_every_token_and_any_bounded_block_output():
 
 def test_plant_eos_keeps_every_other_embedding_dimension():
     embed = torch.randn(VOCAB, HIDDEN)
-    new_embed, _ = md.plant_eos(embed, torch.randn(VOCAB, HIDDEN), EOS)
+    new_embed, _lm_head = md.plant_eos(embed, torch.randn(VOCAB, HIDDEN), EOS)
     keep = [d for d in range(HIDDEN) if d != md.CARRIER_DIM]
     assert torch.equal(new_embed[:, keep], embed[:, keep])
 

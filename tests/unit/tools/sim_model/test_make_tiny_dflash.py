@@ -140,7 +140,7 @@ def test_draft_tokens_follow_the_targets_chain_for_as_many_positions_as_layers(p
         logits = draft_block_logits(draft, embed.bfloat16().float(), [bonus] + [mask] * (layers + 1),
                                     torch.randn(6, width, generator=gen))
         expected, token = [], bonus
-        for _ in range(layers + 1):
+        for _position in range(layers + 1):
             token = successor.get(token, -1)
             expected.append(token)
         hits += (logits[1:].argmax(-1) == torch.tensor(expected)).float()
