@@ -9,5 +9,11 @@ ssh-keygen -A >/dev/null
 if [ -n "${SIM_INSECURE_REGISTRY:-}" ]; then
   printf '{"insecure-registries": ["%s"]}\n' "$SIM_INSECURE_REGISTRY" > /etc/docker/daemon.json
 fi
+# `docker restart` of this node is its reboot. On a real Spark /run is a tmpfs, so a reboot starts without
+# the daemons' pid files, sockets and runtime state; here /run survives, and the stale docker.pid makes
+# dockerd exit 1. Remove them as a boot would; containers and images in /var/lib/docker stay, as on a disk.
+find /run -xdev \( -name '*.pid' -o -type s \) -delete
+rm -rf /run/docker /run/containerd
+mkdir -p /run/sshd
 /usr/sbin/sshd
 exec dockerd --host unix:///var/run/docker.sock >/var/log/dockerd.log 2>&1

@@ -21,8 +21,6 @@ import urllib.error
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ansible.module_utils.urls import ConnectionError as UrlsConnectionError, open_url
-
 INSPECT_FORMAT = "{{.State.Status}} {{.State.ExitCode}} {{.State.FinishedAt}}"
 SSH_OPTIONS: Tuple[str, ...] = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
 # States after which the container will not come back by itself: fail at once.
@@ -547,6 +545,10 @@ def subprocess_runner(argv: Sequence[str], timeout: float, merge_stderr: bool) -
 
 
 def urllib_http(method: str, url: str, headers: Mapping[str, str], body: Optional[bytes], timeout: float) -> HttpResult:
+    # Imported here: the self-healing supervisor runs this file's waiting loop on the head's plain python3,
+    # without Ansible, and brings its own HTTP adapter (self_heal.http_client).
+    from ansible.module_utils.urls import ConnectionError as UrlsConnectionError, open_url
+
     try:
         with open_url(url, data=body, headers=dict(headers), method=method, timeout=timeout) as resp:
             return HttpResult(resp.status, resp.read().decode("utf-8", "replace"))

@@ -1,0 +1,443 @@
+# SPDX-License-Identifier: MIT
+# Copyright: (c) 2026, sparkops
+"""Self-healing: the supervisor that re-forms the rank group on the head after a reboot or a dead rank.
+
+One decision, ``decide``, is a pure function of what was observed (every rank container's state, the
+API's /health, the run lock) and of the state kept on the head's disk; it answers "do nothing", "recover"
+or "give up". ``Supervisor`` is the loop around it, with its I/O (commands, HTTP, clock, sleep) injected as
+in ``health.py``, so tests drive it without docker or SSH. A recovery restarts the WHOLE group in order:
+every rank stopped (a TP group cannot re-form around a survivor), every worker started, then the head,
+then the same wait and canary as the ``health`` stage, bounded by ``glm53_ready_timeout``.
+
+The state lives in a JSON file that the loop re-reads on every poll, so the playbooks can change it
+(``stop.yml`` writes ``stopped``; ``site.yml`` clears ``given_up``) and a reboot keeps it. Run on the head as
+``python3 -m ansible_collections.sparkops.glm53.plugins.module_utils.self_heal CONFIG.json``.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ansible_collections.sparkops.glm53.plugins.module_utils import run_lock
+from ansible_collections.sparkops.glm53.plugins.module_utils.health import (
+    Canary,
+    ContainerState,
+    HealthConfig,
+    HealthIO,
+    HealthWaiter,
+    HttpResult,
+    Rank,
+    api_headers,
+    docker_inspect_argv,
+    parse_inspect,
+    remote_argv,
+    split_log_lines,
+    subprocess_runner,
+)
+
+PHASE_WATCHING = "watching"
+PHASE_RECOVERING = "recovering"
+PHASE_BACKOFF = "backoff"
+PHASE_WAITING = "waiting"
+PHASE_PAUSED = "paused"
+PHASE_GIVEN_UP = "given_up"
+PHASE_STOPPED = "stopped"
+PHASE_DISABLED = "disabled"
+# Written by the playbooks (stop.yml, site.yml with glm53_self_heal false) or by a give-up: the supervisor
+# never leaves them by itself, and never writes the state file while in one (the playbooks own it then).
+TERMINAL_PHASES = frozenset({PHASE_GIVEN_UP, PHASE_STOPPED, PHASE_DISABLED})
+
+ACTION_NONE = "none"
+ACTION_RECOVER = "recover"
+ACTION_GIVE_UP = "give_up"
+
+# The run lock's holder token of the supervisor: one supervisor per head, so a fixed token lets it (and
+# stop.yml) release a lock it left behind when it was killed mid-recovery.
+LOCK_TOKEN = "glm53-self-heal"
+RECOVERIES_KEPT = 10
+MODULE = "ansible_collections.sparkops.glm53.plugins.module_utils.self_heal"
+# Unreachable or unknown: the node (its sshd or dockerd) does not answer, so nothing can be restarted there.
+NO_ANSWER_STATES = frozenset({"unreachable", "unknown"})
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The settings ``glm53_self_heal_*`` (seconds unless said otherwise)."""
+
+    grace_s: float = 60.0
+    poll_s: float = 10.0
+    backoff_s: float = 30.0
+    backoff_max_s: float = 600.0
+    max_attempts: int = 3
+    stable_s: float = 600.0
+    ready_timeout_s: float = 3600.0
+    teardown_s: int = 5
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Policy":
+        default = cls()
+        return cls(**{name: type(getattr(default, name))(data[name]) for name in asdict(default) if name in data})
+
+
+@dataclass
+class State:
+    """What the supervisor knows across polls and reboots (the JSON file on the head)."""
+
+    phase: str = PHASE_WATCHING
+    reason: str = ""
+    # Recoveries started since the group last served for stable_s in a row.
+    attempts: int = 0
+    healthy_since: Optional[float] = None
+    api_down_since: Optional[float] = None
+    last_attempt_end: Optional[float] = None
+    recoveries: List[Dict[str, Any]] = field(default_factory=list)
+    updated: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "State":
+        known = {name: data[name] for name in asdict(cls()) if name in data and name != "recoveries"}
+        state = cls(**known)
+        recoveries = data.get("recoveries")
+        state.recoveries = [dict(item) for item in recoveries if isinstance(item, Mapping)] \
+            if isinstance(recoveries, list) else []
+        state.attempts = int(state.attempts or 0)
+        return state
+
+    def to_dict(self) -> Dict[str, Any]:
+        data = asdict(self)
+        data["summary"] = summary(self)
+        return data
+
+
+@dataclass(frozen=True)
+class Observation:
+    now: float
+    ranks: Sequence[Tuple[Rank, ContainerState]]
+    api_ok: bool
+    api_detail: str = ""
+    # Who else holds the run lock (a site.yml run), empty when it is free or ours.
+    lock_holder: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str
+    state: State
+    trigger: str = ""
+
+
+def backoff_delay(attempts: int, policy: Policy) -> float:
+    """Seconds to wait before the next recovery after ``attempts`` recoveries in a row: none before the
+    first, then backoff_s doubling each time, never more than backoff_max_s."""
+    if attempts <= 0:
+        return 0.0
+    return float(min(policy.backoff_max_s, policy.backoff_s * 2 ** min(attempts - 1, 32)))
+
+
+def _with(state: State, now: float, **changes: Any) -> State:
+    return replace(state, updated=now, recoveries=list(state.recoveries), **changes)
+
+
+def _rank_text(rank: Rank, container: ContainerState) -> str:
+    return "rank %d on node %s: container %s %s" % (rank.rank, rank.node, rank.container, container.describe())
+
+
+def decide(obs: Observation, state: State, policy: Policy) -> Decision:
+    """What to do after one poll. Every branch is a row of docs/self-healing.md's behaviour table."""
+    now = obs.now
+    if state.phase in TERMINAL_PHASES:
+        return Decision(ACTION_NONE, state)
+    if obs.lock_holder:
+        return Decision(ACTION_NONE, _with(state, now, phase=PHASE_PAUSED, api_down_since=None, healthy_since=None,
+                                           reason="paused while another run holds the run lock: " + obs.lock_holder))
+    missing = [(r, c) for r, c in obs.ranks if c.status == "missing"]
+    if missing:
+        return Decision(ACTION_NONE, _with(state, now, phase=PHASE_WAITING, healthy_since=None, reason=(
+            "nothing to restart: %s (removed by hand or by a failed site.yml); re-run site.yml"
+            % "; ".join(_rank_text(r, c) for r, c in missing))))
+    silent = [(r, c) for r, c in obs.ranks if c.status in NO_ANSWER_STATES]
+    if silent:
+        return Decision(ACTION_NONE, _with(state, now, phase=PHASE_WAITING, healthy_since=None, reason=(
+            "waiting for %s to answer (a node rebooting, or its sshd/dockerd down) before re-forming the group"
+            % "; ".join("node %s: %s" % (r.node, c.describe()) for r, c in silent))))
+
+    down = [(r, c) for r, c in obs.ranks if not c.running]
+    if not down and obs.api_ok:
+        healthy_since = state.healthy_since if state.healthy_since is not None else now
+        attempts = 0 if now - healthy_since >= policy.stable_s else state.attempts
+        return Decision(ACTION_NONE, _with(state, now, phase=PHASE_WATCHING, healthy_since=healthy_since,
+                                           api_down_since=None, attempts=attempts, reason="serving"))
+    if not down:
+        since = state.api_down_since if state.api_down_since is not None else now
+        down_for = now - since
+        detail = obs.api_detail or "no answer"
+        if down_for < policy.grace_s:
+            return Decision(ACTION_NONE, _with(state, now, phase=PHASE_WATCHING, api_down_since=since, reason=(
+                "every rank runs but /health fails for %d s (%s); the group is restarted after %d s "
+                "(glm53_self_heal_grace)" % (down_for, detail, policy.grace_s))))
+        trigger = "/health failed for %d s (%s) while every rank runs (glm53_self_heal_grace %d s)" % (
+            down_for, detail, policy.grace_s)
+    else:
+        since = None
+        trigger = "; ".join(_rank_text(r, c) for r, c in down)
+
+    broken = _with(state, now, healthy_since=None, api_down_since=since)
+    if state.attempts >= policy.max_attempts:
+        last = state.recoveries[-1].get("detail", "") if state.recoveries else ""
+        return Decision(ACTION_GIVE_UP, replace(broken, phase=PHASE_GIVEN_UP, reason=(
+            "gave up after %d recoveries in a row without %d s of service (glm53_self_heal_max_attempts); "
+            "now: %s; last recovery: %s. Every rank is stopped and stays stopped (reboots included): read "
+            "playbooks/logs.yml, fix the cause, then re-run site.yml"
+            % (state.attempts, policy.stable_s, trigger, last or "none"))), trigger)
+    ready_at = (state.last_attempt_end if state.last_attempt_end is not None else now) + backoff_delay(
+        state.attempts, policy)
+    if now < ready_at:
+        return Decision(ACTION_NONE, replace(broken, phase=PHASE_BACKOFF, reason=(
+            "recovery %d of %d in %d s (back-off after %d in a row): %s"
+            % (state.attempts + 1, policy.max_attempts, ready_at - now, state.attempts, trigger))), trigger)
+    return Decision(ACTION_RECOVER, replace(broken, phase=PHASE_RECOVERING, reason="recovery %d of %d: %s" % (
+        state.attempts + 1, policy.max_attempts, trigger)), trigger)
+
+
+def record_recovery(state: State, trigger: str, started: float, ended: float, ok: bool, detail: str) -> State:
+    """The state after one recovery ran (its attempt already counted when it started)."""
+    entry = {"trigger": trigger, "started": round(started, 3), "seconds": round(ended - started, 1), "ok": ok,
+             "detail": detail}
+    recoveries = (state.recoveries + [entry])[-RECOVERIES_KEPT:]
+    if ok:
+        return replace(state, phase=PHASE_WATCHING, reason="serving", healthy_since=ended, api_down_since=None,
+                       last_attempt_end=ended, recoveries=recoveries, updated=ended)
+    return replace(state, phase=PHASE_BACKOFF, reason="recovery %d failed: %s" % (state.attempts, detail),
+                   healthy_since=None, api_down_since=None, last_attempt_end=ended, recoveries=recoveries,
+                   updated=ended)
+
+
+def _stamp(when: Optional[float]) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when)) if when is not None else "?"
+
+
+def summary(state: State) -> str:
+    """One line for playbooks/status.yml."""
+    text = "%s since %s: %s" % (state.phase, _stamp(state.updated), state.reason or "-")
+    if state.recoveries:
+        last = state.recoveries[-1]
+        text += " | last recovery %s at %s took %s s (%s)" % (
+            "ok" if last.get("ok") else "FAILED", _stamp(last.get("started")), last.get("seconds"),
+            last.get("trigger", "?"))
+    return text
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class SupervisorConfig:
+    url: str
+    served_model_name: str
+    ranks: List[Rank]
+    state_path: str
+    lock_path: str
+    owner: str
+    policy: Policy = field(default_factory=Policy)
+    canary: Canary = field(default_factory=Canary)
+    log_tail: int = 40
+    command_timeout: float = 60.0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SupervisorConfig":
+        return cls(url=str(data["url"]), served_model_name=str(data["served_model_name"]),
+                   ranks=sorted((Rank.from_dict(r) for r in data["ranks"]), key=lambda r: r.rank),
+                   state_path=str(data["state_path"]), lock_path=str(data["lock_path"]),
+                   owner=str(data.get("owner") or "glm53 self-healing supervisor"),
+                   policy=Policy.from_dict(data.get("policy") or {}), canary=Canary.from_dict(data.get("canary")),
+                   log_tail=int(data.get("log_tail", 40)))
+
+
+def load_state(path: str) -> State:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return State()
+    return State.from_dict(data) if isinstance(data, dict) else State()
+
+
+def save_state(path: str, state: State) -> None:
+    """Atomically, so status.yml never reads half a document."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".state-", dir=directory)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(state.to_dict(), handle, indent=1)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig, io: HealthIO, log: Callable[[str], None],
+                 wall: Callable[[], float] = time.time) -> None:
+        self.cfg = config
+        self.io = io
+        self.log = log
+        # Wall-clock time, not io.clock: the state's times must mean the same after a reboot.
+        self.wall = wall
+
+    @property
+    def head(self) -> Rank:
+        return self.cfg.ranks[0]
+
+    # -- observing
+    def inspect(self, rank: Rank) -> ContainerState:
+        rc, out, err = self.io.run(docker_inspect_argv(rank), self.cfg.command_timeout, False)
+        return parse_inspect(rc, out, err, via_ssh=bool(rank.ssh))
+
+    def lock_holder(self, now: float) -> str:
+        state = run_lock.read_state(self.cfg.lock_path, now)
+        if not state.held or (state.holder is not None and state.holder.token == LOCK_TOKEN):
+            return ""
+        return run_lock.describe_state(state, now)
+
+    def observe(self) -> Observation:
+        now = self.wall()
+        ranks = [(rank, self.inspect(rank)) for rank in self.cfg.ranks]
+        health = self.io.http("GET", self.cfg.url.rstrip("/") + "/health", api_headers(None), None, 10.0)
+        return Observation(now, ranks, health.status == 200, health.describe(), self.lock_holder(now))
+
+    # -- acting
+    def command(self, rank: Rank, *argv: str) -> Tuple[int, str]:
+        rc, out, err = self.io.run(remote_argv(list(argv), rank.ssh), self.cfg.command_timeout, False)
+        return rc, " ".join((err or out).split())[:300]
+
+    def stop_group(self) -> None:
+        """Head first (it holds the API), then the workers; already stopped ranks are left as they are."""
+        for rank in self.cfg.ranks:
+            rc, detail = self.command(rank, "docker", "stop", "--time", str(self.cfg.policy.teardown_s), rank.container)
+            if rc != 0:
+                self.log("stopping rank %d on node %s: %s" % (rank.rank, rank.node, detail))
+
+    def api_key(self) -> Optional[str]:
+        """The head rank's own VLLM_API_KEY: read where it already is, so no second copy sits on disk."""
+        rc, out, _err = self.io.run(["docker", "inspect", "-f", "{{json .Config.Env}}", self.head.container],
+                                    self.cfg.command_timeout, False)
+        try:
+            env = json.loads(out) if rc == 0 else []
+        except ValueError:
+            env = []
+        for item in env or []:
+            if isinstance(item, str) and item.startswith("VLLM_API_KEY="):
+                return item.split("=", 1)[1] or None
+        return None
+
+    def recover(self) -> Tuple[bool, str]:
+        """Stop every rank, start the workers, then the head, then wait for the API and the canary."""
+        key = self.api_key()
+        self.stop_group()
+        for rank in self.cfg.ranks[1:] + self.cfg.ranks[:1]:
+            rc, detail = self.command(rank, "docker", "start", rank.container)
+            if rc != 0:
+                self.stop_group()
+                return False, "could not start rank %d on node %s: %s" % (rank.rank, rank.node, detail)
+            self.log("started rank %d on node %s" % (rank.rank, rank.node))
+        waiter = HealthWaiter(HealthConfig(
+            url=self.cfg.url, served_model_name=self.cfg.served_model_name, ranks=self.cfg.ranks, api_key=key,
+            timeout=self.cfg.policy.ready_timeout_s, poll_interval=min(5.0, self.cfg.policy.poll_s),
+            log_tail=self.cfg.log_tail, canary=self.cfg.canary), self.io)
+        outcome = waiter.run()
+        if not outcome.failed:
+            return True, "serving; canary: %s" % " ".join(str(outcome.result.get("canary_text", "")).split())[:200]
+        self.stop_group()
+        tail = [line.strip() for line in outcome.result.get("log_tail") or [] if line.strip()][-5:]
+        return False, outcome.msg + (" | " + " | ".join(tail) if tail else "")
+
+    def attempt(self, decision: Decision) -> State:
+        """One recovery under the run lock, so a site.yml run waits for it (and it for a site.yml run)."""
+        started = self.wall()
+        holder = run_lock.Holder(token=LOCK_TOKEN, owner=self.cfg.owner, playbook="self-healing recovery",
+                                 since=started)
+        acquired, _seen = run_lock.try_acquire(self.cfg.lock_path, holder, started)
+        if not acquired:
+            return replace(decision.state, phase=PHASE_PAUSED, reason="paused: another run took the run lock")
+        state = replace(decision.state, attempts=decision.state.attempts + 1)
+        save_state(self.cfg.state_path, state)
+        self.log("%s" % state.reason)
+        try:
+            ok, detail = self.recover()
+        finally:
+            run_lock.release(self.cfg.lock_path, LOCK_TOKEN, self.wall())
+        ended = self.wall()
+        self.log("recovery %s after %.1f s: %s" % ("succeeded" if ok else "FAILED", ended - started, detail))
+        return record_recovery(state, decision.trigger, started, ended, ok, detail)
+
+    def poll(self) -> Decision:
+        state = load_state(self.cfg.state_path)
+        if state.phase in TERMINAL_PHASES:
+            return Decision(ACTION_NONE, state)
+        decision = decide(self.observe(), state, self.cfg.policy)
+        new = decision.state
+        if decision.action == ACTION_RECOVER:
+            new = self.attempt(decision)
+        elif decision.action == ACTION_GIVE_UP:
+            self.stop_group()
+            self.log(new.reason)
+        if new.phase != state.phase or new.reason != state.reason:
+            self.log("%s: %s" % (new.phase, new.reason))
+        save_state(self.cfg.state_path, new)
+        return Decision(decision.action, new, decision.trigger)
+
+    def run(self, polls: Optional[int] = None) -> None:
+        run_lock.break_if_held_by(self.cfg.lock_path, LOCK_TOKEN, self.wall())
+        done = 0
+        while polls is None or done < polls:
+            decision = self.poll()
+            done += 1
+            if decision.action == ACTION_NONE:
+                self.io.sleep(self.cfg.policy.poll_s)
+
+
+def http_client(method: str, url: str, headers: Mapping[str, str], body: Optional[bytes], timeout: float) -> HttpResult:
+    """health.Http on the standard library alone: the supervisor's python3 has no Ansible to import."""
+    parts = urllib.parse.urlsplit(url)
+    connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    connection = connection_class(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+    try:
+        connection.request(method, parts.path + ("?" + parts.query if parts.query else ""), body=body,
+                           headers=dict(headers))
+        response = connection.getresponse()
+        return HttpResult(response.status, response.read().decode("utf-8", "replace"))
+    except (OSError, http.client.HTTPException) as exc:
+        return HttpResult(0, "", "%s: %s" % (type(exc).__name__, exc))
+    finally:
+        connection.close()
+
+
+def _log(line: str) -> None:
+    print("%s %s" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), line), flush=True)
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python3 -m %s CONFIG.json" % MODULE, file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as handle:
+        config = SupervisorConfig.from_dict(json.load(handle))
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise SystemExit(0)
+
+    # docker stop: leave at once; `attempt` releases the run lock on the way out.
+    signal.signal(signal.SIGTERM, stop)
+    _log("watching %d rank(s), API %s, state %s" % (len(config.ranks), config.url, config.state_path))
+    Supervisor(config, HealthIO(run=subprocess_runner, http=http_client), _log).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,361 @@
+# SPDX-License-Identifier: MIT
+"""self_heal: every observed state maps to one action, the back-off arithmetic, and the supervisor loop
+driven against a scripted two-node cluster (docker and ssh answered by a fake runner, vLLM by a fake HTTP)."""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import pytest
+
+from ansible_collections.sparkops.glm53.plugins.module_utils import run_lock
+from ansible_collections.sparkops.glm53.plugins.module_utils import self_heal as sh
+from ansible_collections.sparkops.glm53.plugins.module_utils.health import ContainerState, HealthIO, HttpResult, Rank
+
+HEAD = Rank(0, "spark1", "glm53-rank0")
+WORKER = Rank(1, "spark2", "glm53-rank1", "root@10.0.0.2")
+POLICY = sh.Policy(grace_s=60, poll_s=10, backoff_s=30, backoff_max_s=600, max_attempts=3, stable_s=600,
+                   ready_timeout_s=120, teardown_s=5)
+RUNNING = ContainerState("running", 0)
+EXITED = ContainerState("exited", 137)
+
+
+def obs(head: ContainerState = RUNNING, worker: ContainerState = RUNNING, api_ok: bool = True, now: float = 1000.0,
+        lock: str = "") -> sh.Observation:
+    return sh.Observation(now, [(HEAD, head), (WORKER, worker)], api_ok, "HTTP 200" if api_ok else "no answer", lock)
+
+
+# --------------------------------------------------------------------------- back-off
+
+
+@pytest.mark.parametrize("attempts,delay", [(0, 0), (1, 30), (2, 60), (3, 120), (4, 240), (5, 480), (6, 600),
+                                            (10, 600), (10_000, 600)])
+def test_backoff_doubles_from_the_first_retry_and_is_capped(attempts: int, delay: float) -> None:
+    assert sh.backoff_delay(attempts, POLICY) == delay
+
+
+def test_backoff_of_zero_retries_at_once() -> None:
+    assert sh.backoff_delay(3, sh.Policy(backoff_s=0, backoff_max_s=0)) == 0
+
+
+# --------------------------------------------------------------------------- decide: one row per state
+
+
+@pytest.mark.parametrize("phase", sorted(sh.TERMINAL_PHASES))
+def test_terminal_phases_are_never_left_by_the_supervisor(phase: str) -> None:
+    state = sh.State(phase=phase, reason="stopped by playbooks/stop.yml")
+    for observation in (obs(), obs(worker=EXITED, api_ok=False)):
+        decision = sh.decide(observation, state, POLICY)
+        assert (decision.action, decision.state) == (sh.ACTION_NONE, state)
+
+
+def test_a_site_run_holding_the_lock_pauses_the_supervisor_whatever_it_sees() -> None:
+    decision = sh.decide(obs(worker=EXITED, api_ok=False, lock="alice@ctl running Deploy"), sh.State(), POLICY)
+    assert decision.action == sh.ACTION_NONE
+    assert decision.state.phase == sh.PHASE_PAUSED and "alice@ctl running Deploy" in decision.state.reason
+
+
+def test_a_removed_rank_container_is_not_recreated() -> None:
+    decision = sh.decide(obs(worker=ContainerState("missing", detail="No such object")), sh.State(), POLICY)
+    assert decision.action == sh.ACTION_NONE and decision.state.phase == sh.PHASE_WAITING
+    assert "rank 1 on node spark2: container glm53-rank1 missing" in decision.state.reason
+    assert "re-run site.yml" in decision.state.reason
+
+
+@pytest.mark.parametrize("status", ["unreachable", "unknown"])
+def test_a_node_that_does_not_answer_is_waited_for_without_spending_an_attempt(status: str) -> None:
+    state = sh.State(attempts=1)
+    decision = sh.decide(obs(worker=ContainerState(status, detail="ssh: no route to host"), api_ok=False), state,
+                         POLICY)
+    assert decision.action == sh.ACTION_NONE and decision.state.phase == sh.PHASE_WAITING
+    assert "node spark2" in decision.state.reason and decision.state.attempts == 1
+
+
+def test_serving_is_watched_and_the_attempts_reset_only_after_stable_service() -> None:
+    first = sh.decide(obs(now=1000), sh.State(attempts=2), POLICY).state
+    assert (first.phase, first.healthy_since, first.attempts) == (sh.PHASE_WATCHING, 1000, 2)
+    early = sh.decide(obs(now=1599), first, POLICY).state
+    assert early.attempts == 2
+    stable = sh.decide(obs(now=1600), early, POLICY)
+    assert (stable.action, stable.state.attempts, stable.state.healthy_since) == (sh.ACTION_NONE, 0, 1000)
+
+
+def test_api_down_with_every_rank_running_is_given_the_grace_period() -> None:
+    state = sh.decide(obs(api_ok=False, now=1000), sh.State(), POLICY).state
+    assert state.phase == sh.PHASE_WATCHING and state.api_down_since == 1000
+    assert sh.decide(obs(api_ok=False, now=1059), state, POLICY).action == sh.ACTION_NONE
+    late = sh.decide(obs(api_ok=False, now=1060), state, POLICY)
+    assert late.action == sh.ACTION_RECOVER
+    assert late.trigger == "/health failed for 60 s (no answer) while every rank runs (glm53_self_heal_grace 60 s)"
+    # The API answering again clears the count.
+    assert sh.decide(obs(now=1030), state, POLICY).state.api_down_since is None
+
+
+@pytest.mark.parametrize("head,worker", [(RUNNING, EXITED), (EXITED, RUNNING), (EXITED, EXITED),
+                                         (ContainerState("created"), RUNNING)])
+def test_a_rank_not_running_recovers_the_group_at_once(head: ContainerState, worker: ContainerState) -> None:
+    decision = sh.decide(obs(head=head, worker=worker, api_ok=False), sh.State(healthy_since=1.0), POLICY)
+    assert decision.action == sh.ACTION_RECOVER and decision.state.phase == sh.PHASE_RECOVERING
+    assert decision.state.reason.startswith("recovery 1 of 3: rank ")
+    assert decision.state.healthy_since is None
+
+
+def test_a_rank_death_is_named_with_its_exit_code() -> None:
+    decision = sh.decide(obs(worker=EXITED), sh.State(), POLICY)
+    assert decision.trigger == "rank 1 on node spark2: container glm53-rank1 exited (exit code 137)"
+
+
+def test_the_next_recovery_waits_out_its_backoff() -> None:
+    state = sh.State(phase=sh.PHASE_BACKOFF, attempts=2, last_attempt_end=1000.0)
+    waiting = sh.decide(obs(worker=EXITED, now=1059), state, POLICY)  # 2 in a row: 60 s
+    assert waiting.action == sh.ACTION_NONE and waiting.state.phase == sh.PHASE_BACKOFF
+    assert waiting.state.reason.startswith("recovery 3 of 3 in 1 s (back-off after 2 in a row): rank 1")
+    assert sh.decide(obs(worker=EXITED, now=1060), state, POLICY).action == sh.ACTION_RECOVER
+
+
+def test_after_max_attempts_it_gives_up_naming_the_last_failure() -> None:
+    state = sh.State(attempts=3, last_attempt_end=0.0, recoveries=[
+        {"trigger": "x", "started": 1, "seconds": 3, "ok": False, "detail": "rank 0 exited (exit code 1) | OSError"}])
+    decision = sh.decide(obs(head=ContainerState("exited", 1), api_ok=False), state, POLICY)
+    assert decision.action == sh.ACTION_GIVE_UP and decision.state.phase == sh.PHASE_GIVEN_UP
+    reason = decision.state.reason
+    assert reason.startswith("gave up after 3 recoveries in a row without 600 s of service "
+                             "(glm53_self_heal_max_attempts)")
+    assert "last recovery: rank 0 exited (exit code 1) | OSError" in reason and "re-run site.yml" in reason
+    # And stays given up.
+    assert sh.decide(obs(), decision.state, POLICY).action == sh.ACTION_NONE
+
+
+def test_record_recovery_success_and_failure() -> None:
+    state = sh.State(phase=sh.PHASE_RECOVERING, attempts=1)
+    ok = sh.record_recovery(state, "rank 1 exited", 100.0, 190.04, True, "serving")
+    assert (ok.phase, ok.healthy_since, ok.last_attempt_end, ok.attempts) == (sh.PHASE_WATCHING, 190.04, 190.04, 1)
+    assert ok.recoveries == [{"trigger": "rank 1 exited", "started": 100.0, "seconds": 90.0, "ok": True,
+                              "detail": "serving"}]
+    bad = sh.record_recovery(state, "t", 100.0, 110.0, False, "canary failed")
+    assert bad.phase == sh.PHASE_BACKOFF and bad.reason == "recovery 1 failed: canary failed"
+    many = state
+    for i in range(sh.RECOVERIES_KEPT + 3):
+        many = sh.record_recovery(many, "t%d" % i, i, i + 1, False, "d")
+    assert len(many.recoveries) == sh.RECOVERIES_KEPT and many.recoveries[-1]["trigger"] == "t12"
+
+
+def test_state_round_trips_through_json_with_its_summary(tmp_path: Path) -> None:
+    state = sh.record_recovery(sh.State(attempts=1), "rank 1 exited", 0.0, 95.0, True, "serving")
+    path = str(tmp_path / "state.json")
+    sh.save_state(path, state)
+    data = json.loads(Path(path).read_text())
+    assert data["summary"] == ("watching since 1970-01-01 00:01:35 UTC: serving | last recovery ok at "
+                               "1970-01-01 00:00:00 UTC took 95.0 s (rank 1 exited)")
+    assert sh.load_state(path) == state
+    # What a playbook writes (stop.yml) is enough; junk reads as a fresh state.
+    Path(path).write_text('{"phase": "stopped", "reason": "stopped by playbooks/stop.yml", "extra": 1}')
+    assert sh.load_state(path).phase == sh.PHASE_STOPPED
+    Path(path).write_text("not json")
+    assert sh.load_state(path) == sh.State()
+
+
+def test_policy_and_config_from_the_json_site_yml_writes() -> None:
+    config = sh.SupervisorConfig.from_dict({
+        "url": "http://127.0.0.1:8888", "served_model_name": "m", "state_path": "/s", "lock_path": "/l",
+        "ranks": [{"rank": 1, "node": "spark2", "container": "glm53-rank1", "ssh": "root@10.0.0.2"},
+                  {"rank": 0, "node": "spark1", "container": "glm53-rank0", "ssh": None}],
+        "policy": {"grace_s": "5", "max_attempts": "2", "teardown_s": 3},
+        "canary": {"prompt": "hi", "max_tokens": 4}})
+    assert [r.rank for r in config.ranks] == [0, 1]
+    assert config.policy == sh.Policy(grace_s=5.0, max_attempts=2, teardown_s=3)
+    assert (config.canary.prompt, config.canary.max_tokens) == ("hi", 4)
+
+
+# --------------------------------------------------------------------------- the loop, scripted
+
+
+class FakeCluster:
+    """docker on two nodes (the worker over ssh) and vLLM's API. ``start_outcome`` says what a started
+    rank does: keep running, or exit with a code at once (a bad checkpoint)."""
+
+    def __init__(self) -> None:
+        self.status: Dict[str, Tuple[str, int]] = {"glm53-rank0": ("running", 0), "glm53-rank1": ("running", 0)}
+        self.commands: List[Tuple[str, str, str]] = []  # (node, verb, container)
+        self.start_outcome: Dict[str, Tuple[str, int]] = {}
+        self.now = 1_000_000.0
+        self.reachable = True
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def run(self, argv: Sequence[str], timeout: float, merge: bool) -> Tuple[int, str, str]:
+        node = "spark1"
+        if argv[0] == "ssh":
+            if not self.reachable:
+                return 255, "", "ssh: connect to host 10.0.0.2 port 22: No route to host"
+            node, argv = "spark2", shlex.split(argv[-1])
+        verb, name = argv[1], argv[-1]
+        if name not in self.status:
+            return 1, "", "Error: No such object: " + name
+        if verb == "inspect" and "Config.Env" in argv[3]:
+            return 0, json.dumps(["PATH=/usr/bin", "VLLM_API_KEY=sk-test"]), ""
+        if verb == "inspect":
+            status, code = self.status[name]
+            return 0, "%s %d 2026-12-01T10:00:00.5Z\n" % (status, code), ""
+        if verb == "logs":
+            return 0, "INFO loading\nERROR %s failed to load the checkpoint\n" % name, ""
+        self.commands.append((node, verb, name))
+        if verb == "stop":
+            if self.status[name][0] == "running":
+                self.status[name] = ("exited", 143)
+        elif verb == "start":
+            self.status[name] = self.start_outcome.get(name, ("running", 0))
+        return 0, name + "\n", ""
+
+    def http(self, method: str, url: str, headers, body: Optional[bytes], timeout: float) -> HttpResult:
+        if not all(s == "running" for s, _c in self.status.values()):
+            return HttpResult(0, error="ConnectionRefusedError")
+        if url.endswith("/health"):
+            return HttpResult(200)
+        assert headers.get("Authorization") == "Bearer sk-test", "the supervisor must use the head rank's key"
+        if url.endswith("/v1/models"):
+            return HttpResult(200, json.dumps({"data": [{"id": "m"}]}))
+        return HttpResult(200, json.dumps({"choices": [{"message": {"content": "Paris."}, "finish_reason": "stop"}],
+                                           "usage": {"completion_tokens": 3}}))
+
+
+@pytest.fixture()
+def cluster() -> FakeCluster:
+    return FakeCluster()
+
+
+def supervisor(cluster: FakeCluster, tmp_path: Path, **policy: float) -> Tuple[sh.Supervisor, List[str]]:
+    lines: List[str] = []
+    config = sh.SupervisorConfig(url="http://127.0.0.1:8888", served_model_name="m", ranks=[HEAD, WORKER],
+                                 state_path=str(tmp_path / "self-heal" / "state.json"),
+                                 lock_path=str(tmp_path / "run.lock"), owner="glm53 self-healing on spark1",
+                                 policy=sh.Policy(**dict(dict(poll_s=10, ready_timeout_s=60), **policy)))
+    io = HealthIO(run=cluster.run, http=cluster.http, clock=cluster.clock, sleep=cluster.sleep)
+    return sh.Supervisor(config, io, lines.append, wall=cluster.clock), lines
+
+
+def test_a_dead_worker_restarts_the_whole_group_workers_first_under_the_run_lock(cluster: FakeCluster,
+                                                                                   tmp_path: Path) -> None:
+    sup, _lines = supervisor(cluster, tmp_path)
+    assert sup.poll().action == sh.ACTION_NONE and cluster.commands == []
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    seen_lock: List[Optional[str]] = []
+    original = sup.recover
+
+    def recover() -> Tuple[bool, str]:
+        seen_lock.append(run_lock.read_state(sup.cfg.lock_path, cluster.now).holder.token)
+        return original()
+
+    sup.recover = recover  # type: ignore[method-assign]
+    decision = sup.poll()
+    assert decision.action == sh.ACTION_RECOVER
+    assert cluster.commands == [("spark1", "stop", "glm53-rank0"), ("spark2", "stop", "glm53-rank1"),
+                                ("spark2", "start", "glm53-rank1"), ("spark1", "start", "glm53-rank0")]
+    assert seen_lock == [sh.LOCK_TOKEN] and not run_lock.read_state(sup.cfg.lock_path, cluster.now).held
+    state = sh.load_state(sup.cfg.state_path)
+    assert (state.phase, state.attempts) == (sh.PHASE_WATCHING, 1)
+    assert state.recoveries[-1]["ok"] and state.recoveries[-1]["detail"] == "serving; canary: Paris."
+    assert state.recoveries[-1]["trigger"] == "rank 1 on node spark2: container glm53-rank1 exited (exit code 137)"
+
+
+def test_a_crash_loop_backs_off_then_gives_up_and_leaves_the_group_stopped(cluster: FakeCluster,
+                                                                           tmp_path: Path) -> None:
+    sup, lines = supervisor(cluster, tmp_path, backoff_s=30, backoff_max_s=600, max_attempts=3)
+    cluster.status["glm53-rank0"] = ("exited", 1)
+    cluster.start_outcome["glm53-rank0"] = ("exited", 1)  # the head dies at once on every start
+    starts: List[float] = []
+    actions = []
+    while len(actions) < 200:
+        before = len(cluster.commands)
+        decision = sup.poll()
+        actions.append(decision.action)
+        starts += [cluster.now for _n, verb, name in cluster.commands[before:] if (verb, name) == ("start", "glm53-rank0")]
+        if decision.action == sh.ACTION_GIVE_UP:
+            break
+        if decision.action == sh.ACTION_NONE:
+            cluster.sleep(10)
+    assert actions.count(sh.ACTION_RECOVER) == 3 and actions[-1] == sh.ACTION_GIVE_UP
+    # Back-off between the recoveries: 30 s, then 60 s (to the 10 s poll).
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert 30 <= gaps[0] < 45 and 60 <= gaps[1] < 75, gaps
+    state = sh.load_state(sup.cfg.state_path)
+    assert state.phase == sh.PHASE_GIVEN_UP and "gave up after 3 recoveries" in state.reason
+    assert "rank 0 on node spark1 (container glm53-rank0) failed: container exited (exit code 1)" in state.reason
+    assert "failed to load the checkpoint" in state.reason
+    assert all(status != "running" for status, _c in cluster.status.values())
+    # Given up is final: nothing more happens, the file is left to the playbooks.
+    count, mtime = len(cluster.commands), Path(sup.cfg.state_path).stat().st_mtime_ns
+    cluster.status = {name: ("exited", 0) for name in cluster.status}
+    assert sup.poll().action == sh.ACTION_NONE and len(cluster.commands) == count
+    assert Path(sup.cfg.state_path).stat().st_mtime_ns == mtime
+    assert any("recovery FAILED" in line for line in lines)
+
+
+def test_a_site_run_holding_the_lock_is_never_raced(cluster: FakeCluster, tmp_path: Path) -> None:
+    sup, _lines = supervisor(cluster, tmp_path)
+    run_lock.try_acquire(sup.cfg.lock_path, run_lock.Holder(token="site", owner="alice@ctl", playbook="Deploy"),
+                         cluster.now)
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    assert sup.poll().state.phase == sh.PHASE_PAUSED and cluster.commands == []
+
+
+def test_a_lock_left_by_a_killed_supervisor_is_taken_back_at_start(cluster: FakeCluster, tmp_path: Path) -> None:
+    sup, _lines = supervisor(cluster, tmp_path)
+    run_lock.try_acquire(sup.cfg.lock_path, run_lock.Holder(token=sh.LOCK_TOKEN, owner="x"), cluster.now)
+    sup.run(polls=1)
+    assert not run_lock.read_state(sup.cfg.lock_path, cluster.now).held
+
+
+def test_an_unreachable_worker_is_waited_for_then_the_group_recovers(cluster: FakeCluster, tmp_path: Path) -> None:
+    sup, _lines = supervisor(cluster, tmp_path)
+    cluster.reachable = False
+    cluster.status = {"glm53-rank0": ("exited", 0), "glm53-rank1": ("exited", 0)}  # both nodes rebooted
+    for _ in range(5):
+        decision = sup.poll()
+        assert decision.action == sh.ACTION_NONE and decision.state.phase == sh.PHASE_WAITING
+    assert cluster.commands == []
+    cluster.reachable = True
+    assert sup.poll().action == sh.ACTION_RECOVER
+    assert sh.load_state(sup.cfg.state_path).phase == sh.PHASE_WATCHING
+    assert all(status == "running" for status, _c in cluster.status.values())
+
+
+def test_a_stopped_state_written_by_stop_yml_is_obeyed(cluster: FakeCluster, tmp_path: Path) -> None:
+    sup, _lines = supervisor(cluster, tmp_path)
+    Path(sup.cfg.state_path).parent.mkdir(parents=True)
+    Path(sup.cfg.state_path).write_text(json.dumps({"phase": "stopped", "reason": "stopped by playbooks/stop.yml"}))
+    cluster.status = {"glm53-rank0": ("exited", 0), "glm53-rank1": ("exited", 0)}
+    assert sup.poll().action == sh.ACTION_NONE and cluster.commands == []
+
+
+def test_http_client_talks_to_a_real_server_without_ansible() -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            code = 200 if self.path == "/health" else 404
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(b"ok" if code == 200 else b"no")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = "http://127.0.0.1:%d" % server.server_address[1]
+    try:
+        assert sh.http_client("GET", base + "/health", {}, None, 5) == HttpResult(200, "ok")
+        assert sh.http_client("GET", base + "/v1/x?y=1", {}, None, 5).status == 404
+    finally:
+        server.shutdown()
+        server.server_close()
+    refused = sh.http_client("GET", base + "/health", {}, None, 5)
+    assert refused.status == 0 and "ConnectionRefusedError" in refused.error
