@@ -176,11 +176,21 @@ def plan_memory(mem: MemInfo, req: BudgetRequest) -> Budget:
     if requested > usable:
         budget.problems.append(
             f"glm53_gpu_memory_utilization={util} asks for {gib(requested)} of {gib(mem.total)}, but this node has "
-            f"{free_words}{reserve}: at most {max_util} fits")
+            f"{free_words}{reserve}: at most {max_util} fits{_drop_hint(mem, req)}")
         return budget
     if req.gpu and kv is not None:
         _judge_kv_room(budget, req, mem, kv)
     return budget
+
+
+def _drop_hint(mem: MemInfo, req: BudgetRequest) -> str:
+    """On a GPU node judged with its page cache, what dropping that cache would allow."""
+    if not req.gpu or req.page_cache_dropped:
+        return ""
+    after = _floor2(max(0, mem.cuda_free(page_cache_dropped=True) - req.reserve_bytes) / mem.total)
+    if after <= _floor2(max(0, mem.cuda_free(page_cache_dropped=False) - req.reserve_bytes) / mem.total):
+        return ""
+    return f" (up to {after} once the page cache is dropped: glm53_drop_page_cache)"
 
 
 def _judge_kv_room(budget: Budget, req: BudgetRequest, mem: MemInfo, kv: int) -> None:

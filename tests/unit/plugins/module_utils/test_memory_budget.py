@@ -57,6 +57,7 @@ def test_boot_right_after_the_rsync_is_refused_naming_a_utilization_that_fits_no
     assert message.startswith("glm53_gpu_memory_utilization=0.85 asks for")
     assert "page cache" in message
     assert named_utilization(message) == budget.max_utilization < 0.1
+    assert message.endswith("(up to 0.9 once the page cache is dropped: glm53_drop_page_cache)")
 
 
 def test_the_same_node_fits_once_the_page_cache_will_have_been_dropped():
