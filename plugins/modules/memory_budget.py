@@ -82,8 +82,8 @@ attributes:
     support: none
   idempotent:
     description: When run twice in a row outside check mode, with the same arguments, the second invocation indicates no change.
-    support: full
-    details: Dropping clean page cache again frees what was cached since; nothing else changes.
+    support: partial
+    details: Without O(drop_page_cache) it only reads. With it, every run drops what was cached since and reports C(changed).
 """
 
 EXAMPLES = r"""
