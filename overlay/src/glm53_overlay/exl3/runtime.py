@@ -265,7 +265,7 @@ class Exl3CudaExperts:
     def apply_fused(self, x16: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """exl3_moe (plus per-expert exl3_gemm for experts above its row capacity); fp32 [T, hidden]."""
         tokens = x16.shape[0]
-        if tokens > FUSED_ROWS and torch.cuda.is_current_stream_capturing():
+        if tokens > FUSED_ROWS and x16.is_cuda and torch.cuda.is_current_stream_capturing():
             # A CUDA graph cannot read the counts back; chunks of FUSED_ROWS tokens keep every expert within
             # exl3_moe's rows (slower than one call, but only graphs of > FUSED_ROWS tokens take it).
             return torch.cat([self.apply_fused(x16[i : i + FUSED_ROWS], topk_ids[i : i + FUSED_ROWS],
