@@ -9,18 +9,29 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export ANSIBLE_COLLECTIONS_PATH := $(CURDIR)/.collections
 export GLM53_OLAH_PYTHON := $(CURDIR)/.venv-hub/bin/python
 DOCKER_BUILD := DOCKER_BUILDKIT=0 docker build
+# The CPU vLLM base the simulated registry serves (the simulated head builds docker/Dockerfile on it), and
+# the engine image `make engine-image` builds from the same Dockerfile here.
+VLLM_CPU_BASE := glm53/vllm-cpu:dev
 ENGINE_IMAGE := glm53/engine-cpu:dev
 # The CPU torch wheel for the engine image: the machine's own wheel cache if it has one, else PyTorch's index.
 TORCH_WHEEL := $(firstword $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-cp311-*.whl /opt/wheels/torch-2.13.0+cpu-cp311-*.whl))
 CA_BUNDLE ?= $(firstword $(PIP_CERT) $(wildcard /etc/ssl/certs/ca-certificates.crt))
 
-.PHONY: help settings venv images engine-image sim-up demo demo-down test lint unit monitoring-rules engine molecule clean
+.PHONY: help settings host venv images vllm-cpu-base engine-image sim-up demo demo-down test lint unit monitoring-rules engine molecule clean
 
 help:
 	@echo "make demo       build the simulated cluster, run site.yml on it, send a chat request"
 	@echo "make demo-down  remove the simulated cluster"
 	@echo "make test       lint + unit + engine + molecule (what CI runs)"
 	@echo "make venv       controller virtualenv in .venv"
+	@echo "make host       check (as root: install) the system packages and dockerd that demo/test need"
+
+# Debian/Ubuntu packages and a running dockerd (tools/bootstrap-host.sh, also called by .ci/run).
+host:
+	@tools/bootstrap-host.sh --check >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then tools/bootstrap-host.sh; \
+	  else tools/bootstrap-host.sh --check || true; \
+	    echo "Run this once, then make again:  sudo $(CURDIR)/tools/bootstrap-host.sh"; exit 1; fi; }
 
 venv: $(VENV)/.installed .venv-hub/.installed .collections/ansible_collections/sparkops/glm53
 
@@ -48,32 +59,38 @@ build/ca-bundle.crt:
 	mkdir -p build/wheels
 	cp $(CA_BUNDLE) $@
 
-images: build/ca-bundle.crt
+images: host build/ca-bundle.crt
 	docker/build-base.sh glm53-sim/base:bookworm
 	$(DOCKER_BUILD) -q -f docker/sim/node.Dockerfile -t glm53-sim/node:latest .
 	$(DOCKER_BUILD) -q -f docker/sim/registry.Dockerfile -t glm53-sim/registry:latest .
 	$(DOCKER_BUILD) -q -f docker/sim/hub.Dockerfile -t glm53-sim/hub:latest .
 	$(DOCKER_BUILD) -q -f docker/sim/prometheus.Dockerfile -t glm53-sim/prometheus:latest .
 	$(DOCKER_BUILD) -q -f docker/sim/node-exporter.Dockerfile -t glm53-sim/node-exporter:latest .
-	$(MAKE) engine-image
+	$(MAKE) vllm-cpu-base
 
-engine-image: build/ca-bundle.crt
+vllm-cpu-base: build/ca-bundle.crt
 	mkdir -p build/wheels
 	$(if $(TORCH_WHEEL),cp -u $(TORCH_WHEEL) build/wheels/,)
-	$(DOCKER_BUILD) -f docker/Dockerfile.cpu -t $(ENGINE_IMAGE) \
+	$(DOCKER_BUILD) -f docker/sim/vllm-cpu.Dockerfile -t $(VLLM_CPU_BASE) \
 	  $(if $(TORCH_WHEEL),,--build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu) .
 
-sim-up: venv images
+# The engine image built here the way the simulated head builds it (docker/Dockerfile on the CPU base, the
+# GPU-only steps off); the cluster does not need it, it is a quick check of the Dockerfile.
+engine-image: vllm-cpu-base
+	$(DOCKER_BUILD) -f docker/Dockerfile -t $(ENGINE_IMAGE) --build-arg BASE_IMAGE=$(VLLM_CPU_BASE) \
+	  --build-arg EXLLAMAV3_SPEC= --build-arg TORCH_CUDA_ARCH_LIST= .
+
+sim-up: host venv images
 	ansible-playbook playbooks/sim/up.yml
 
-demo: sim-up
+demo: host sim-up
 	ansible-playbook -i inventory/sim site.yml
 	$(BIN)/python tests/sim_chat.py --inventory inventory/sim
 
 demo-down: venv
 	ansible-playbook playbooks/sim/down.yml
 
-test: venv lint unit engine molecule
+test: host venv lint unit engine molecule
 
 # Rewrite defaults, the example inventory and docs/settings.md from roles/glm53/meta/argument_specs.yml.
 settings: venv

