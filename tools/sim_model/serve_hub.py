@@ -65,9 +65,12 @@ def olah_config(layout: HubLayout) -> str:
 
 
 def discover_models(models_dir: Path) -> dict[str, Path]:
-    """repo_id -> model directory, from ORG--REPO folders or ORG/REPO folders holding a config.json."""
+    """repo_id -> model directory, from ORG--REPO folders or ORG/REPO folders holding a config.json (a model)
+    or a reference.json (a quality-gate reference set, tools/quality)."""
     found: dict[str, Path] = {}
-    for config in sorted(models_dir.glob("*/config.json")) + sorted(models_dir.glob("*/*/config.json")):
+    markers = [found_file for name in ("config.json", "reference.json")
+               for found_file in sorted(models_dir.glob(f"*/{name}")) + sorted(models_dir.glob(f"*/*/{name}"))]
+    for config in markers:
         rel = config.parent.relative_to(models_dir)
         repo_id = str(rel).replace("--", "/", 1) if len(rel.parts) == 1 else "/".join(rel.parts)
         if "/" in repo_id:
