@@ -70,8 +70,8 @@ def parse_meminfo(text: str) -> MemInfo:
     """Parse /proc/meminfo text; raises ValueError naming the line that is missing or malformed."""
     values: dict[str, int] = {}
     for line in text.splitlines():
-        name, _, rest = line.partition(":")
-        if name not in _FIELDS:
+        name, colon, rest = line.partition(":")
+        if not colon or name not in _FIELDS:
             continue
         parts = rest.split()
         if not parts or not parts[0].isdigit() or parts[1:] not in ([], ["kB"]):

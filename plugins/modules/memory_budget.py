@@ -76,7 +76,7 @@ attributes:
   check_mode:
     description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
-    details: Reads and judges for real; the page cache is not dropped (RV(drop.status) is C(would drop)).
+    details: Reads and judges for real; the page cache is not dropped (the returned C(drop.status) is C(would drop)).
   diff_mode:
     description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
     support: none
@@ -173,7 +173,8 @@ def main() -> None:
             max_model_len=dict(type="int", default=0),
             weights_bytes=dict(type="int", default=0),
             overhead_bytes=dict(type="int", default=0),
-            kv_bytes_per_token=dict(type="int", default=0),
+            # "token" here counts KV-cache positions, it is no credential.
+            kv_bytes_per_token=dict(type="int", default=0, no_log=False),
             reserve_bytes=dict(type="int", default=0),
             page_cache_dropped=dict(type="bool", default=False),
             drop_page_cache=dict(type="bool", default=False),
