@@ -10,16 +10,14 @@ every rank stopped (a TP group cannot re-form around a survivor), every worker s
 then the same wait and canary as the ``health`` stage, bounded by ``glm53_ready_timeout``.
 
 The state lives in a JSON file that the loop re-reads on every poll, so the playbooks can change it
-(``stop.yml`` writes ``stopped``; ``site.yml`` clears ``given_up``) and a reboot keeps it. Run on the head as
-``python3 -m ansible_collections.sparkops.glm53.plugins.module_utils.self_heal CONFIG.json``.
+(``stop.yml`` writes ``stopped``; ``site.yml`` clears ``given_up``) and a reboot keeps it.
+``roles/self_heal/files/supervisor.py`` runs the loop on the head, on its plain python3.
 """
 from __future__ import annotations
 
 import http.client
 import json
 import os
-import signal
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -39,8 +37,6 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.health import (
     docker_inspect_argv,
     parse_inspect,
     remote_argv,
-    split_log_lines,
-    subprocess_runner,
 )
 
 PHASE_WATCHING = "watching"
@@ -63,7 +59,6 @@ ACTION_GIVE_UP = "give_up"
 # stop.yml) release a lock it left behind when it was killed mid-recovery.
 LOCK_TOKEN = "glm53-self-heal"
 RECOVERIES_KEPT = 10
-MODULE = "ansible_collections.sparkops.glm53.plugins.module_utils.self_heal"
 # Unreachable or unknown: the node (its sshd or dockerd) does not answer, so nothing can be restarted there.
 NO_ANSWER_STATES = frozenset({"unreachable", "unknown"})
 
@@ -416,28 +411,3 @@ def http_client(method: str, url: str, headers: Mapping[str, str], body: Optiona
         return HttpResult(0, "", "%s: %s" % (type(exc).__name__, exc))
     finally:
         connection.close()
-
-
-def _log(line: str) -> None:
-    print("%s %s" % (time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), line), flush=True)
-
-
-def main(argv: Sequence[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python3 -m %s CONFIG.json" % MODULE, file=sys.stderr)
-        return 2
-    with open(argv[0], encoding="utf-8") as handle:
-        config = SupervisorConfig.from_dict(json.load(handle))
-
-    def stop(_signum: int, _frame: Any) -> None:
-        raise SystemExit(0)
-
-    # docker stop: leave at once; `attempt` releases the run lock on the way out.
-    signal.signal(signal.SIGTERM, stop)
-    _log("watching %d rank(s), API %s, state %s" % (len(config.ranks), config.url, config.state_path))
-    Supervisor(config, HealthIO(run=subprocess_runner, http=http_client), _log).run()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
