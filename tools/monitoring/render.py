@@ -21,10 +21,8 @@ TEMPLATES = REPO / "roles/monitoring/templates"
 EXAMPLE_CLUSTER: dict[str, Any] = {
     "_monitoring_cluster_name": "glm53",
     "_monitoring_vllm_target": "10.0.0.1:8888",
-    "_monitoring_targets": [
-        {"node": "spark-head", "rank": 0, "address": "10.0.0.1"},
-        {"node": "spark-worker", "rank": 1, "address": "10.0.0.2"},
-    ],
+    # [node, rank, address] per node, as the role's vars/main.yml builds them.
+    "_monitoring_targets": [["spark-head", 0, "10.0.0.1"], ["spark-worker", 1, "10.0.0.2"]],
 }
 
 
@@ -36,8 +34,9 @@ def monitoring_defaults(spec_path: Path = SPEC) -> dict[str, Any]:
 
 def render_all(values: dict[str, Any]) -> dict[str, str]:
     """Relative output path -> text, for prometheus.yml and every rules/*.yml.j2."""
+    # trim_blocks as Ansible's template module sets it, so both write the same bytes.
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)
+                             keep_trailing_newline=True, trim_blocks=True)
     names = ["prometheus.yml.j2"] + sorted(f"rules/{p.name}" for p in (TEMPLATES / "rules").glob("*.yml.j2"))
     return {name.removesuffix(".j2"): env.get_template(name).render(values) for name in names}
 
