@@ -30,7 +30,7 @@ options:
   fallbacks:
     description:
       - Repositories tried in order when the primary is missing, lacks the revision or cannot be downloaded
-        completely, each with its own revision (a commit sha belongs to one repo: a mirror and the repo it
+        completely, each with its own revision (a commit sha belongs to one repo; a mirror and the repo it
         mirrors have different shas for the same files).
     type: list
     elements: dict
