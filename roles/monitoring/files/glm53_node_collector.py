@@ -151,9 +151,12 @@ def thermal_samples(zones: Iterable[tuple[str, str]]) -> list[Sample]:
     return samples
 
 
-def container_samples(name: str, rank: str, inspect: dict | None) -> list[Sample]:
-    """A rank container from `GET /containers/<name>/json` (None: it does not exist, which counts as down)."""
-    labels = {"container": name, "rank": rank}
+def container_samples(name: str, inspect: dict | None) -> list[Sample]:
+    """A rank container from `GET /containers/<name>/json` (None: it does not exist, which counts as down).
+
+    No rank label: Prometheus' scrape target carries node and rank, and a second one would arrive as exported_rank.
+    """
+    labels = {"container": name}
     if inspect is None:
         return [Sample("glm53_rank_container_running", 0, labels)]
     state = inspect.get("State", {})
@@ -310,8 +313,8 @@ class Collector:
         samples: list[Sample] = []
         self._source("meminfo", lambda: memory_samples(parse_meminfo(Path(args.meminfo).read_text())), samples)
         if args.container:
-            self._source("docker", lambda: [s for name, rank in (c.split("=", 1) for c in args.container)
-                                            for s in container_samples(name, rank, docker_inspect(args.docker_socket, name))],
+            self._source("docker", lambda: [s for name in args.container
+                                            for s in container_samples(name, docker_inspect(args.docker_socket, name))],
                          samples)
         if args.nvidia_smi:
             self._source("nvidia_smi", lambda: gpu_samples(subprocess.run(
@@ -336,7 +339,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--once", action="store_true", help="one pass, then exit")
     parser.add_argument("--meminfo", default="/proc/meminfo")
     parser.add_argument("--thermal-root", default="/sys/class/thermal")
-    parser.add_argument("--container", action="append", default=[], metavar="NAME=RANK",
+    parser.add_argument("--container", action="append", default=[], metavar="NAME",
                         help="rank container to report (repeatable)")
     parser.add_argument("--docker-socket", default="/var/run/docker.sock")
     parser.add_argument("--nvidia-smi", default="", help="nvidia-smi to query; empty on nodes without a GPU")
@@ -348,11 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--canary-timeout", type=float, default=30.0)
     parser.add_argument("--canary-api-key-env", default="GLM53_API_KEY",
                         help="environment variable holding the API key (never on the command line)")
-    args = parser.parse_args(argv)
-    for spec in args.container:
-        if "=" not in spec:
-            parser.error(f"--container {spec!r}: expected NAME=RANK")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

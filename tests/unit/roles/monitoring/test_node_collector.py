@@ -65,7 +65,7 @@ def test_thermal_zones_skip_unreadable_and_number_repeats():
 
 def test_exited_rank_reports_its_exit_code():
     inspect = json.loads((FIXTURES / "monitoring/docker-inspect-exited.json").read_text())
-    got = {s.name: s.value for s in collector.container_samples("glm53-rank1", "1", inspect)}
+    got = {s.name: s.value for s in collector.container_samples("glm53-rank1", inspect)}
     assert got["glm53_rank_container_running"] == 0
     assert got["glm53_rank_container_exit_code"] == 3
     assert got["glm53_rank_container_restarts"] == 0
@@ -74,11 +74,11 @@ def test_exited_rank_reports_its_exit_code():
 
 def test_running_rank_has_no_exit_code_and_a_missing_rank_counts_as_down():
     running = {"State": {"Running": True, "ExitCode": 0, "StartedAt": "0001-01-01T00:00:00Z"}, "RestartCount": 2}
-    got = {s.name: s.value for s in collector.container_samples("glm53-rank0", "0", running)}
+    got = {s.name: s.value for s in collector.container_samples("glm53-rank0", running)}
     assert got == {"glm53_rank_container_running": 1, "glm53_rank_container_restarts": 2}
-    missing = collector.container_samples("glm53-rank0", "0", None)
+    missing = collector.container_samples("glm53-rank0", None)
     assert [(s.name, s.value, s.labels) for s in missing] == [
-        ("glm53_rank_container_running", 0, {"container": "glm53-rank0", "rank": "0"})]
+        ("glm53_rank_container_running", 0, {"container": "glm53-rank0"})]
 
 
 @pytest.mark.parametrize(("status", "body", "ok"), [
@@ -131,7 +131,7 @@ def test_one_pass_writes_an_atomic_file_node_exporter_can_read(tmp_path, monkeyp
     try:
         assert collector.main([
             "--out", str(out), "--once", "--meminfo", str(FIXTURES / "meminfo/sim-node.txt"),
-            "--thermal-root", str(tmp_path / "thermal"), "--container", "glm53-rank0=0",
+            "--thermal-root", str(tmp_path / "thermal"), "--container", "glm53-rank0",
             "--docker-socket", str(tmp_path / "no-docker.sock"),
             "--canary-url", f"http://127.0.0.1:{server.server_port}", "--canary-model", "m",
             "--canary-api-key-env", "TEST_KEY"]) == 0
