@@ -17,12 +17,13 @@ ENGINE_IMAGE := glm53/engine-cpu:dev
 TORCH_WHEEL := $(firstword $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-cp311-*.whl /opt/wheels/torch-2.13.0+cpu-cp311-*.whl))
 CA_BUNDLE ?= $(firstword $(PIP_CERT) $(wildcard /etc/ssl/certs/ca-certificates.crt))
 
-.PHONY: help settings host venv images vllm-cpu-base engine-image sim-up demo demo-down test lint unit monitoring-rules engine molecule clean
+.PHONY: help settings host venv images vllm-cpu-base engine-image sim-up demo demo-down test check lint sanity unit monitoring-rules engine molecule clean
 
 help:
 	@echo "make demo       build the simulated cluster, run site.yml on it, send a chat request"
 	@echo "make demo-down  remove the simulated cluster"
-	@echo "make test       lint + unit + engine + molecule (what CI runs)"
+	@echo "make check      fast tier: lint, ansible-test sanity, unit tests (a few minutes)"
+	@echo "make test       check, then engine + molecule (what CI runs)"
 	@echo "make venv       controller virtualenv in .venv"
 	@echo "make host       check (as root: install) the system packages and dockerd that demo/test need"
 
@@ -85,12 +86,15 @@ sim-up: host venv images
 
 demo: host sim-up
 	ansible-playbook -i inventory/sim site.yml
-	$(BIN)/python tests/sim_chat.py --inventory inventory/sim
+	$(BIN)/python tools/sim_chat.py --inventory inventory/sim
 
 demo-down: venv
 	ansible-playbook playbooks/sim/down.yml
 
-test: host venv lint unit engine molecule
+# The fast tier runs first, so a broken unit test or sanity finding fails CI before any image is built.
+test: host venv check engine molecule
+
+check: lint sanity unit
 
 # Rewrite defaults, the example inventory and docs/settings.md from roles/glm53/meta/argument_specs.yml.
 settings: venv
@@ -99,6 +103,25 @@ settings: venv
 lint: venv
 	ansible-lint
 	ansible-playbook --syntax-check -i inventory/example site.yml playbooks/*.yml
+
+# ansible-test sanity on the collection as `ansible-galaxy collection build` packs it (galaxy.yml's
+# build_ignore applies), unpacked where ansible-test wants it: .../ansible_collections/sparkops/glm53.
+# --venv installs each test's pinned tools into virtualenvs cached in ~/.ansible/test/venv. ansible-test
+# puts pip into them with ~/.ansible/test/cache/get_pip_<pip version>.py and downloads that script from
+# ci-files.testing.ansible.com when it is missing; tests/sanity/get_pip_offline.py (ensurepip) replaces it.
+SANITY_PYTHON = $(shell $(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+ANSIBLE_TEST_GET_PIP = $(HOME)/.ansible/test/cache/get_pip_$(subst .,_,$(shell $(BIN)/python -c \
+  'import types; from ansible_test._internal.python_requirements import get_venv_packages as p; \
+  print(p(types.SimpleNamespace(version="$(SANITY_PYTHON)"))["pip"])')).py
+
+sanity: venv
+	[ -e $(ANSIBLE_TEST_GET_PIP) ] || install -D -m 0644 tests/sanity/get_pip_offline.py $(ANSIBLE_TEST_GET_PIP)
+	@# A fresh tree per run (runs may overlap), in its own git repository: ansible-test lists files with git.
+	tree=$$(mktemp -d); trap 'rm -rf "$$tree"' EXIT; root=$$tree/ansible_collections/sparkops/glm53; \
+	  mkdir -p $$root && ansible-galaxy collection build --output-path $$tree . >/dev/null && \
+	  tar -xzf $$tree/sparkops-glm53-*.tar.gz -C $$root && cd $$root && \
+	  git init -q && echo tests/output/ > .git/info/exclude && git add -A && \
+	  ansible-test sanity --venv --python $(SANITY_PYTHON) --color no
 
 unit: venv monitoring-rules
 	$(BIN)/python -m pytest -q tests/unit tests/integration
