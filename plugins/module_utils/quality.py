@@ -201,12 +201,12 @@ def position_kld(teacher_ids: Sequence[int], teacher_logprobs: Sequence[float], 
     clamped = 0
     while clamped < len(missing):
         free_mass = remaining - clamped * cap
-        weight = p_rest + math.fsum(p_t for p_t, _ in missing[clamped:])
+        weight = p_rest + math.fsum(p_t for p_t, _lp in missing[clamped:])
         if free_mass <= 0.0 or weight == 0.0 or missing[clamped][0] * free_mass / weight <= cap:
             break
         clamped += 1
     free_mass = max(MASS_FLOOR, remaining - clamped * cap)
-    weight = p_rest + math.fsum(p_t for p_t, _ in missing[clamped:])
+    weight = p_rest + math.fsum(p_t for p_t, _lp in missing[clamped:])
     terms = list(listed_terms)
     for index, (p_t, lp_t) in enumerate(missing):
         if index < clamped or weight == 0.0:
