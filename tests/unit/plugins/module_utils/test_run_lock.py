@@ -1,19 +1,15 @@
 # SPDX-License-Identifier: MIT
-"""run_lock: the head's lock that serialises site.yml runs (pure logic, then the module as Ansible runs it)."""
+"""run_lock: the head's lock that serialises site.yml runs (the logic; tests/unit/plugins/modules runs the module)."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 from ansible_collections.sparkops.glm53.plugins.module_utils import run_lock as rl
 
-REPO = Path(__file__).resolve().parents[4]
 FIRST = rl.Holder(token="run-a", owner="alice@laptop pid 4242", controller="laptop", pid=4242,
                   playbook="site.yml", since=1000.0)
 SECOND = rl.Holder(token="run-b", owner="bob@desk pid 7", controller="desk", pid=7, playbook="site.yml")
@@ -134,37 +130,3 @@ def test_only_one_of_many_concurrent_runs_gets_the_lock(tmp_path: Path) -> None:
     for thread in threads:
         thread.join()
     assert len(winners) == 1 and rl.read_state(path, time.time()).holder.token == winners[0]
-
-
-# --------------------------------------------------------------------------- the module
-
-
-def run_module(args: Dict[str, object], check: bool = False) -> Dict[str, object]:
-    argv = [sys.executable, str(REPO / "plugins" / "modules" / "run_lock.py")]
-    payload = dict(args, _ansible_check_mode=check)
-    proc = subprocess.run(argv, input=json.dumps({"ANSIBLE_MODULE_ARGS": payload}).encode(), capture_output=True,
-                          env=dict(os.environ, PYTHONPATH=str(REPO / ".collections")), timeout=60, check=False)
-    assert proc.stdout, proc.stderr.decode()
-    return json.loads(proc.stdout)
-
-
-def test_module_take_wait_fail_release(tmp_path: Path) -> None:
-    path = str(tmp_path / "glm53" / "run.lock")
-    first = run_module({"path": path, "token": "run-a", "owner": "alice@laptop pid 4242", "playbook": "site.yml"})
-    assert first["acquired"] and not first["held"] and first["changed"] is False
-    probe = run_module({"path": path, "token": "run-b"}, check=True)
-    assert probe["acquired"] is False and probe["held"] and probe["holder"]["owner"] == "alice@laptop pid 4242"
-    waited = run_module({"path": path, "token": "run-b", "timeout": 0.3, "poll_interval": 0.1})
-    assert waited["failed"] and "held by alice@laptop pid 4242 running site.yml" in waited["msg"]
-    assert waited["waited_s"] >= 0.3 and waited["holder"]["token"] == "run-a"
-    assert run_module({"path": path, "token": "run-b", "state": "absent"})["release"] == "not ours"
-    assert run_module({"path": path, "token": "run-a", "state": "absent"}, check=True)["release"] == "released"
-    assert os.path.isdir(path)
-    released = run_module({"path": path, "token": "run-a", "state": "absent"})
-    assert released["release"] == "released" and released["changed"] is False and not os.path.exists(path)
-
-
-def test_module_check_mode_never_creates_the_lock(tmp_path: Path) -> None:
-    path = tmp_path / "run.lock"
-    result = run_module({"path": str(path), "token": "run-a"}, check=True)
-    assert result["acquired"] and not path.exists()
