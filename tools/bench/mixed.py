@@ -70,7 +70,7 @@ def longest_gap(arrivals: Arrivals, start: float, end: float) -> float | None:
     """The longest time with no new token inside [start, end] (window edges count as bounds)."""
     if end <= start:
         return None
-    times = [start] + [t for t, _ in arrivals.points if start < t < end] + [end]
+    times = [start] + [t for t, _tokens in arrivals.points if start < t < end] + [end]
     return max(b - a for a, b in zip(times, times[1:]))
 
 
@@ -171,7 +171,7 @@ def run_mixed(client: openai.OpenAI, model: str, count_tokens: Callable[[str], i
               settings: MixedSettings, poll_s: float = 0.01, timeout_s: float = 600.0) -> dict[str, Any]:
     long_prompt = cold_long_prompt(count_tokens, settings.long_prompt_tokens)
     zero = time.perf_counter()
-    streams = [Arrivals(sent=0.0) for _ in range(settings.streams)]
+    streams = [Arrivals(sent=0.0) for _stream in range(settings.streams)]
     threads = [threading.Thread(target=_stream, daemon=True,
                                 args=(client, model, f"Count from 1 to 1000, separated by commas. ({i})",
                                       settings.decode_tokens, zero, s))

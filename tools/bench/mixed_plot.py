@@ -49,7 +49,10 @@ def write_mixed_plot(mixed: Mapping[str, Any], title: str, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
     rates = mixed["decode_tok_s"]
-    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+
+    def fmt(rate: float | None) -> str:
+        return "-" if rate is None else f"{rate:.1f}"
+
     ax.set_title(f"{title}\nmedian decode tok/s per stream: before {fmt(rates['before'])}, "
                  f"during {fmt(rates['during'])}, after {fmt(rates['after'])}", fontsize=9)
     fig.tight_layout()
