@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from glm53_overlay.exl3 import gpu_checks, runtime
+from glm53_overlay.exl3 import gpu_checks, mcg4_moe, runtime
 
 SHAPE = gpu_checks.GLM53_FLASH_RANK
 
@@ -166,6 +166,10 @@ def main() -> int:
     expert_bytes_exl3 = sum(p.expert_bytes() for p in layer.projections().values())
     expert_bytes_bf16 = (bf16.w13[0].numel() + bf16.w2[0].numel()) * 2
     gen = torch.Generator().manual_seed(7)
+    # Our kernels with programmatic dependent launch forced off: what PDL is worth where it is allowed (the
+    # engine leaves it off on SM12x, see mcg4_moe.PDL_MAJORS).
+    ours_no_pdl = (mcg4_moe.Mcg4Experts(layer.gate, layer.up, layer.down, act_limit=SHAPE.act_limit, pdl=False)
+                   if layer.ours is not None else None)
     rows = []
     for tokens in args.tokens:
         sets = [gpu_checks.random_routing(SHAPE, tokens, gen, "cuda") for _ in range(SETS)]
@@ -179,6 +183,8 @@ def main() -> int:
             "exl3_moe_fused": (lambda x, i, w: layer.apply_fused(x.half(), i, w).to(x.dtype), tokens <= runtime.FUSED_ROWS, expert_bytes_exl3),
             "bf16_grouped_mm": (bf16.apply, True, expert_bytes_bf16),
         }
+        if ours_no_pdl is not None and tokens <= runtime.MCG4_MAX_TOKENS:
+            paths["ours_pdl_off"] = (ours_no_pdl.apply, True, expert_bytes_exl3)
         if layer.ours is not None and runtime.MCG4_MAX_TOKENS < tokens <= MCG4_SHOWN_UP_TO:
             paths["mcg4_unused"] = (layer.ours.apply, True, expert_bytes_exl3)
         if tokens <= runtime.COOP_CHUNKED_MAX_TOKENS:

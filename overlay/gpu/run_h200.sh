@@ -4,7 +4,7 @@
 # benchmarks. Results land in $OUT (default ./gpu-out). STEPS picks what runs (default: all).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-STEPS=${STEPS:-"check selfcheck vectors breakdown tune kernels bench"}
+STEPS=${STEPS:-"check method selfcheck vectors breakdown tune kernels bench"}
 SITE=/tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
 export PYTHONPATH="$SITE:$PWD/overlay/src" PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16}
@@ -23,6 +23,9 @@ for step in $STEPS; do
   echo "== $step"
   case $step in
     check) python3 overlay/gpu/check_cuda_moe.py --out "$OUT" 2>&1 | tee "$OUT/check.log" ;;
+    # The CUDA MoE method's test (tests/unit/test_exl3_moe_method.py) with the real kernels: vLLM is not installed
+    # here, so its vLLM-layer cases skip and the experts_from_packed -> apply cases run on the GPU.
+    method) (cd overlay && python3 -m pytest -q -s -rs -p no:cacheprovider tests/unit/test_exl3_moe_method.py) 2>&1 | tee "$OUT/method.log" ;;
     # The selfcheck's GPU checks, without vLLM (the image runs them through `glm53-overlay selfcheck`).
     selfcheck) python3 -c "
 import json

@@ -125,7 +125,9 @@ def load_extension() -> Any:
 class Mcg4Experts:
     """One MoE layer's packed K=4 mcg experts (this rank's share) and the decode-path apply over them."""
 
-    def __init__(self, gate: PackedProjection, up: PackedProjection, down: PackedProjection, *, act_limit: float) -> None:
+    def __init__(
+        self, gate: PackedProjection, up: PackedProjection, down: PackedProjection, *, act_limit: float, pdl: bool = True
+    ) -> None:
         reason = unsupported_reason(gate, up, down, "mcg")
         if reason is not None:
             raise ValueError(f"mcg4 decode path cannot run these experts: {reason}")
@@ -135,6 +137,8 @@ class Mcg4Experts:
         self.intermediate = gate.out_features
         self.ext = load_extension()
         self.capability = device_capability(gate.trellis.device)
+        # False forces PDL off where the device would allow it (benchmarks/bench_moe.py times its cost).
+        self.pdl = pdl
         # Read by the kernels from memory, not as an immediate: see mcg_hash in the source. int64 -> int32
         # keeps the 32 bits.
         self.consts = torch.tensor([HALF_PAIR_MASK], dtype=torch.int64).to(torch.int32).to(gate.trellis.device)
@@ -147,7 +151,7 @@ class Mcg4Experts:
         shape = shape or launch_shape(tokens, self.capability)
         shape.check()
         # An explicit shape (the tuner, the PDL benchmark) may ask for PDL; the device gate still applies.
-        pdl = shape.pdl and pdl_allowed(self.capability)
+        pdl = shape.pdl and self.pdl and pdl_allowed(self.capability)
         xin = x if x.dtype in (torch.float16, torch.bfloat16) else x.to(torch.bfloat16)
         ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int64)
         pairs = tokens * top_k
