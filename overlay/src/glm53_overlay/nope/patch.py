@@ -19,13 +19,12 @@ import torch
 
 from glm53_overlay.nope.geometry import KERNEL_ROPE_DIM, NopePath, choose_nope_path, needs_rope_padding
 from glm53_overlay.nope.geometry import pad_q_rope, zero_k_pe
-from glm53_overlay.vllm_compat import find_vllm
+from glm53_overlay.vllm_compat import NOPE_PATCH_RELEASES, find_vllm, unchecked_reason
 
 _logger = logging.getLogger(f"vllm.{__name__}")
 
 # Both read MLAAttention's constructor and forward by these parameter names; a release that renames them
-# is refused rather than padded wrongly.
-SUPPORTED_VLLM = {(0, 32), (0, 33)}
+# is refused rather than padded wrongly (and only NOPE_PATCH_RELEASES are tried at all).
 _INIT_PARAMS = ("qk_rope_head_dim", "kv_lora_rank", "cache_config", "attn_backend", "use_sparse")
 _FORWARD_PARAMS = ("q", "kv_c_normed", "k_pe")
 _PATCHED = "_glm53_nope_patched"
@@ -115,10 +114,9 @@ def _patch_mla_wrapper(wrapper: type) -> None:
 
 def install_nope_padding() -> str | None:
     """Patch once per process; None (and a log line) when this vLLM is not one the patch was checked on."""
-    install = find_vllm()
-    if install is None or install.release not in SUPPORTED_VLLM:
-        _logger.warning("glm53-nope: path=none (vLLM %s not in %s; NoPE models will not be padded)",
-                        install.version if install else "missing", sorted(SUPPORTED_VLLM))
+    reason = unchecked_reason(find_vllm(), NOPE_PATCH_RELEASES)
+    if reason is not None:
+        _logger.warning("glm53-nope: path=none (%s; NoPE models will not be padded)", reason)
         return None
     from vllm.model_executor.layers.attention import MLAAttention
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper

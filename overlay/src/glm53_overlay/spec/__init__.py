@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from glm53_overlay.vllm_compat import find_vllm
+from glm53_overlay.vllm_compat import SPEC_GLUE_RELEASES, find_vllm, unchecked_reason
 
 _logger = logging.getLogger(f"vllm.{__name__}")
 
-# The patch points (EngineArgs.create_speculative_config, VllmConfig._get_v1_model_runner_unsupported_features,
-# DFlashProposer._sample_draft_tokens, glm4_moe_lite's module layout) were read in these releases.
-SUPPORTED_VLLM = {(0, 32), (0, 33)}
 GLM_AUX_ARCHITECTURE = "Glm4MoeLiteForCausalLM"
 
 
@@ -29,10 +26,9 @@ def _triton_available() -> bool:
 
 def install_spec_glue() -> list[str]:
     """Install what this vLLM needs; returns the names of the installed pieces (empty if none)."""
-    install = find_vllm()
-    if install is None or install.release not in SUPPORTED_VLLM:
-        _logger.warning("glm53-spec: nothing installed (vLLM %s not in %s)",
-                        install.version if install else "missing", sorted(SUPPORTED_VLLM))
+    reason = unchecked_reason(find_vllm(), SPEC_GLUE_RELEASES)
+    if reason is not None:
+        _logger.warning("glm53-spec: nothing installed (%s)", reason)
         return []
     from vllm import ModelRegistry
 
