@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # tests/engine -> overlay -> the repository root
 PROMPTS = (
     (5, 17, 40, 99, 230, 301, 402, 77),
     (12, 600, 33, 45, 900, 8, 150),
