@@ -201,8 +201,13 @@ def _judge_kv_room(budget: Budget, req: BudgetRequest, mem: MemInfo, kv: int) ->
     util = req.gpu_memory_utilization
     need_util = (req.weights_bytes + req.overhead_bytes + need) / mem.total
     fits_util = math.ceil(need_util * 100 - 1e-9) / 100
-    fix = (f"at least {fits_util} is needed and at most {budget.max_utilization} fits" if fits_util <= budget.max_utilization
-           else f"{fits_util} would be needed but at most {budget.max_utilization} fits")
+    if fits_util <= budget.max_utilization:
+        fix = f"at least {fits_util} is needed and at most {budget.max_utilization} fits"
+    elif fits_util > 1:
+        fix = (f"no utilization fits: weights, overhead and that KV cache need {gib(need_util * mem.total)} of this "
+               f"node's {gib(mem.total)}")
+    else:
+        fix = f"{fits_util} would be needed but at most {budget.max_utilization} fits"
     context = (f"; glm53_max_model_len={req.max_model_len} needs {gib(need)} at {req.kv_bytes_per_token} bytes/token"
                if budget.min_kv_cache_bytes else "")
     lower = _max_len_words(req, kv)

@@ -196,3 +196,9 @@ def test_check_mode_drops_nothing():
     node = Node()
     outcome = drop_page_cache(node.read, node.sync, node.write, path="/x", euid=0, check_mode=True)
     assert outcome.status == "would drop" and not node.synced and not node.dropped
+
+
+def test_weights_larger_than_the_node_name_no_utilization():
+    budget = plan_memory(sample("sim-node"), gpu(0.3))
+    assert len(budget.problems) == 1
+    assert "no utilization fits: weights, overhead and that KV cache need 100.5 GiB" in budget.problems[0]
