@@ -384,7 +384,10 @@ class Supervisor:
             self.log(new.reason)
         if new.phase != state.phase or new.reason != state.reason:
             self.log("%s: %s" % (new.phase, new.reason))
-        save_state(self.cfg.state_path, new)
+        # While a site.yml run holds the lock, the state file is the run's: it may reset it at its end, and
+        # a write from here, made from what was read before, would undo that.
+        if new.phase != PHASE_PAUSED:
+            save_state(self.cfg.state_path, new)
         return Decision(decision.action, new, decision.trigger)
 
     def run(self, polls: Optional[int] = None) -> None:

@@ -303,6 +303,8 @@ def test_a_site_run_holding_the_lock_is_never_raced(cluster: FakeCluster, tmp_pa
                          cluster.now)
     cluster.status["glm53-rank1"] = ("exited", 137)
     assert sup.poll().state.phase == sh.PHASE_PAUSED and cluster.commands == []
+    # The run owns the state file meanwhile (it resets it at its end): the supervisor does not write it.
+    assert not Path(sup.cfg.state_path).exists()
 
 
 def test_a_lock_left_by_a_killed_supervisor_is_taken_back_at_start(cluster: FakeCluster, tmp_path: Path) -> None:
