@@ -27,6 +27,9 @@ _DOCKER_SIZE = re.compile(r"^[0-9]+[bkmgBKMG]?$")
 _IMAGE_REF = re.compile(r"^[a-z0-9][a-z0-9._/:@-]*[a-zA-Z0-9_]$")
 _PLATFORM = re.compile(r"^[a-z0-9]+/[a-z0-9_]+(/[a-z0-9]+)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HCA = re.compile(r"^[A-Za-z0-9_.-]+(:[1-9][0-9]*)?$")
+# Prometheus durations: 30s, 1m, 1h30m, 15d.
+_PROM_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 _LAYERS = re.compile(r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$")
 
 
@@ -103,6 +106,23 @@ def string_list(v: list[Any]) -> str | None:
     return None if all(isinstance(x, str) for x in v) else "a list of strings"
 
 
+def hca_pins(v: Any) -> str | None:
+    """glm53_ib_hca: one RDMA device, a comma-separated string or a list; each NAME or NAME:PORT, none twice."""
+    if v is None:
+        return None
+    items = v.split(",") if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        return "an RDMA device name, a comma-separated string or a list of names (NAME or NAME:PORT)"
+    names = [i.strip() for i in items]
+    if not names or any(not _HCA.match(n) for n in names) or len(set(names)) != len(names):
+        return "RDMA device names (NAME or NAME:PORT with a port >= 1), each at most once"
+    return None
+
+
+def fraction(v: float) -> str | None:
+    return None if 0 <= v <= 1 else "a fraction in [0, 1]"
+
+
 def layer_spec(v: str) -> str | None:
     return None if _LAYERS.match(v) else "inclusive layer ranges and lists such as 15-45 or 1,3,5-7"
 
@@ -115,6 +135,9 @@ RULES: dict[str, Check] = {
     "glm53_api_bind": address_or_empty,
     "glm53_tensor_parallel_size": at_least(0),
     "glm53_pipeline_parallel_size": at_least(1),
+    "glm53_ib_hca": hca_pins,
+    "glm53_ib_gid_index": at_least(0),
+    "glm53_fabric_min_busbw_gbps": at_least(0),
     "glm53_model_repo": matches(_HF_REPO, "a Hugging Face repo id, org/name"),
     "glm53_model_fallbacks": repo_list,
     "glm53_model_revision": revision,
@@ -125,12 +148,18 @@ RULES: dict[str, Check] = {
     "glm53_hf_allow_patterns": string_list,
     "glm53_hf_ignore_patterns": string_list,
     "glm53_image": matches(_IMAGE_REF, "an image reference such as registry/name:tag"),
+    "glm53_image_base": matches(_IMAGE_REF, "an image reference such as registry/name:tag[@sha256:...]"),
+    "glm53_image_build_args": env_mapping,
     "glm53_image_platform": matches(_PLATFORM, "one platform such as linux/arm64", empty_ok=True),
     "glm53_served_model_name": nonempty,
     "glm53_max_model_len": at_least(1),
     "glm53_gpu_memory_utilization": between(0, 1, low_open=True),
+    "glm53_kv_cache_memory_bytes": at_least(0),
+    "glm53_memory_reserve_gib": at_least(0),
+    "glm53_oom_guard_min_available_percent": between(1, 50),
     "glm53_max_num_seqs": at_least(1),
     "glm53_max_num_batched_tokens": at_least(1),
+    "glm53_long_prefill_token_threshold": at_least(0),
     "glm53_limit_mm": mm_limits,
     "glm53_dflash_tokens": between(1, 16),
     "glm53_mtp_tokens": between(1, 8),
@@ -153,6 +182,21 @@ RULES: dict[str, Check] = {
     "glm53_self_heal_backoff_max": at_least(0),
     "glm53_self_heal_max_attempts": at_least(1),
     "glm53_self_heal_stable_after": at_least(0),
+    "glm53_monitoring_prometheus_image": matches(_IMAGE_REF, "an image reference", empty_ok=True),
+    "glm53_monitoring_node_exporter_image": matches(_IMAGE_REF, "an image reference", empty_ok=True),
+    "glm53_monitoring_collector_image": matches(_IMAGE_REF, "an image reference", empty_ok=True),
+    "glm53_monitoring_prometheus_port": between(1, 65535),
+    "glm53_monitoring_node_exporter_port": between(1, 65535),
+    "glm53_monitoring_scrape_interval": at_least(1),
+    "glm53_monitoring_retention": matches(_PROM_DURATION, "a Prometheus duration such as 15d"),
+    "glm53_monitoring_canary_interval": at_least(1),
+    "glm53_monitoring_down_for": matches(_PROM_DURATION, "a Prometheus duration such as 1m"),
+    "glm53_monitoring_degraded_for": matches(_PROM_DURATION, "a Prometheus duration such as 5m"),
+    "glm53_monitoring_kv_cache_max": between(0, 1, low_open=True),
+    "glm53_monitoring_preemptions_max": at_least(0),
+    "glm53_monitoring_spec_acceptance_min": fraction,
+    "glm53_monitoring_memory_headroom_min": fraction,
+    "glm53_grafana_url": url_or_empty,
     "glm53_ablation_layers": layer_spec,
     "glm53_ablation_alpha": positive,
     "glm53_ablation_donor_dir": absolute_path_or_empty,
