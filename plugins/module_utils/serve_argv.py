@@ -125,6 +125,7 @@ def validate_settings(settings: Mapping[str, Any], *, num_attention_heads: int =
     batched = _check(errors, settings, "max_num_batched_tokens", as_int, lambda v: v >= 1, ">= 1")
     if seqs is not None and batched is not None and batched < seqs:
         errors.append(f"{var('max_num_batched_tokens')} ({batched}) must be >= {var('max_num_seqs')} ({seqs})")
+    errors += _long_prefill_errors(settings)
     _check(errors, settings, "kv_cache_dtype", as_str, lambda v: v in KV_CACHE_DTYPES,
            "one of " + ", ".join(KV_CACHE_DTYPES))
     tp = _check(errors, settings, "tensor_parallel_size", as_int,
@@ -157,6 +158,21 @@ def validate_settings(settings: Mapping[str, Any], *, num_attention_heads: int =
         # Marlin takes over the routed experts and has no EXL3 kernels: the engine dies loading them.
         errors.append(f"{var('extra_serve_args')}: --moe-backend marlin cannot run EXL3 experts "
                       f"({var('quantization')} is exl3); remove it")
+    return errors
+
+
+def _long_prefill_errors(settings: Mapping[str, Any]) -> list[str]:
+    """vLLM refuses a cap above the context length at start-up; an adaptive cap without a cap does nothing."""
+    errors: list[str] = []
+    threshold = _check(errors, settings, "long_prefill_token_threshold", as_int, lambda v: v >= 0,
+                       ">= 0 (0 turns the long-prefill cap off)")
+    max_len = _check([], settings, "max_model_len", as_int)  # its own errors are reported above
+    if threshold and max_len and threshold > max_len:
+        errors.append(f"{var('long_prefill_token_threshold')} ({threshold}) must not exceed "
+                      f"{var('max_model_len')} ({max_len})")
+    if _check(errors, settings, "long_prefill_adaptive", as_bool) and not threshold:
+        errors.append(f"{var('long_prefill_adaptive')} needs {var('long_prefill_token_threshold')} > 0 "
+                      "(it only raises that cap)")
     return errors
 
 
@@ -236,6 +252,11 @@ def _engine_args(s: Mapping[str, Any]) -> list[str]:
         "--max-num-seqs", str(as_int(s["max_num_seqs"])),
         "--max-num-batched-tokens", str(as_int(s["max_num_batched_tokens"])),
     ]
+    threshold = as_int(s.get("long_prefill_token_threshold") or 0)
+    if threshold > 0:
+        argv += ["--long-prefill-token-threshold", str(threshold)]
+        if _opt_bool(s, "long_prefill_adaptive"):
+            argv.append("--long-prefill-token-threshold-adaptive")
     # vLLM enables prefix caching by default, so false must be said out loud.
     prefix = _opt_bool(s, "enable_prefix_caching")
     if prefix is not None:

@@ -303,3 +303,24 @@ def test_the_default_utilization_is_the_argument_specs_default():
     options = yaml.safe_load(spec.read_text())["argument_specs"]["main"]["options"]
     assert options["glm53_gpu_memory_utilization"]["default"] == DEFAULT_GPU_MEMORY_UTILIZATION
     assert options["glm53_kv_cache_memory_bytes"]["default"] == 0
+
+
+def test_long_prefill_cap_is_rendered_only_when_set() -> None:
+    base = settings()
+    assert "--long-prefill-token-threshold" not in render_serve_argv(base, rank=0, nnodes=2, master_addr="10.0.0.1")
+    argv = render_serve_argv({**base, "long_prefill_token_threshold": 512, "long_prefill_adaptive": True},
+                             rank=1, nnodes=2, master_addr="10.0.0.1")
+    i = argv.index("--long-prefill-token-threshold")
+    # An engine flag: every rank's scheduler view must agree, so the headless rank carries it too.
+    assert argv[i + 1] == "512" and "--long-prefill-token-threshold-adaptive" in argv
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"long_prefill_token_threshold": -1}, "glm53_long_prefill_token_threshold must be >= 0"),
+    ({"long_prefill_token_threshold": 4096, "max_model_len": 2048},
+     "glm53_long_prefill_token_threshold (4096) must not exceed glm53_max_model_len (2048)"),
+    ({"long_prefill_adaptive": True}, "glm53_long_prefill_adaptive needs glm53_long_prefill_token_threshold > 0"),
+])
+def test_long_prefill_settings_vllm_would_refuse_are_caught_first(changes: dict, message: str) -> None:
+    errors = validate_settings(settings(**changes))
+    assert any(e.startswith(message) for e in errors), errors

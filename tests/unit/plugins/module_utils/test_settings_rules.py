@@ -57,12 +57,25 @@ def test_every_rule_names_a_setting_of_the_spec() -> None:
     ("glm53_self_heal_max_attempts", 0, ">= 1"),
     ("glm53_self_heal_poll_interval", 0, ">= 1"),
     ("glm53_self_heal_grace", -1, ">= 0"),
+    ("glm53_ib_hca", "rocep1s0f1,rocep1s0f1", "each at most once"),
+    ("glm53_ib_hca", ["rocep1s0f1:0"], "port >= 1"),
+    ("glm53_ib_gid_index", -1, ">= 0"),
+    ("glm53_kv_cache_memory_bytes", -5, ">= 0"),
+    ("glm53_long_prefill_token_threshold", -1, ">= 0"),
+    ("glm53_monitoring_down_for", "1 minute", "Prometheus duration"),
+    ("glm53_monitoring_spec_acceptance_min", 1.5, "fraction"),
+    ("glm53_grafana_url", "grafana:3000", "http(s)"),
 ])
 def test_a_value_that_cannot_be_right_names_the_setting_and_what_is_allowed(name: str, value: Any,
                                                                              allowed: str) -> None:
     errors = errors_for(**{name: value})
     assert len(errors) == 1, errors
     assert errors[0].startswith(name) and allowed in errors[0]
+
+
+@pytest.mark.parametrize("pins", [None, "rocep1s0f1", "rocep1s0f1,roceP2p1s0f1", ["mlx5_0:1", "mlx5_1:1"]])
+def test_dual_rail_pins_in_every_accepted_form_pass(pins: Any) -> None:
+    assert errors_for(glm53_ib_hca=pins) == []
 
 
 def test_types_come_from_the_spec_and_strings_from_the_command_line_convert() -> None:
