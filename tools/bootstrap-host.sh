@@ -24,7 +24,14 @@ docker_up() { docker info >/dev/null 2>&1; }
 if [ "${1:-}" = --check ]; then
   ok=0
   [ ${#missing[@]} -eq 0 ] || { echo "missing packages: ${missing[*]}"; ok=1; }
-  docker_up || { echo "no docker daemon answers (docker info)"; ok=1; }
+  if ! docker_up; then
+    ok=1
+    if [ "$(id -u)" != 0 ] && [ -S /var/run/docker.sock ]; then
+      echo "dockerd runs but $(id -un) may not use it: sudo usermod -aG docker $(id -un), then log in again"
+    else
+      echo "no docker daemon answers (docker info)"
+    fi
+  fi
   exit $ok
 fi
 
