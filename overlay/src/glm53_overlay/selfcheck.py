@@ -103,8 +103,8 @@ def check_exl3_moe_apply() -> tuple[bool, str]:
     # Decode sizes run our mcg4 kernels (K=4 mcg), 256 tokens exllamav3's exl3_moe: both as the engine runs them.
     for tokens in (1, 8, 64, 256):
         x, ids, w = gpu_checks.random_routing(shape, tokens, gen, "cuda")
-        errs[tokens] = gpu_checks.rel_err(layer.apply(x, ids, w), gpu_checks.reference_moe(dense, x.half(), ids, w,
-                                                                                         shape.act_limit))
+        ref = gpu_checks.reference_moe(dense, x.half(), ids, w, shape.act_limit)
+        errs[tokens] = gpu_checks.rel_err(layer.apply(x, ids, w), ref)
     worst = max(errs.values())
     detail = ", ".join(f"T={t} ({layer.path_for(t)}): {e:.2e}" for t, e in errs.items())
     return worst <= gpu_checks.MOE_REL_TOL, f"MoE apply vs reference rel err {detail} (limit {gpu_checks.MOE_REL_TOL})"

@@ -49,7 +49,7 @@ def random_projection(
     scales = (signs * mags).half()
     suh, svh = scales[:, :k], (scales[:, k:].float() * out_scale).half()
     return PackedProjection(trellis.to(torch.int16).to(device), suh.contiguous().to(device),
-                                     svh.contiguous().to(device), bits)
+                            svh.contiguous().to(device), bits)
 
 
 def make_layer(shape: MoeShape, seed: int = 0, device: str = "cuda") -> runtime.Exl3CudaExperts:
@@ -61,7 +61,7 @@ def make_layer(shape: MoeShape, seed: int = 0, device: str = "cuda") -> runtime.
     down = random_projection(shape.experts, shape.intermediate, shape.hidden, 1 / shape.intermediate**0.5,
                              shape.bits, gen, device)
     return runtime.Exl3CudaExperts(gate, up, down, codebook=shape.codebook, top_k=shape.top_k,
-                                    act_limit=shape.act_limit)
+                                   act_limit=shape.act_limit)
 
 
 def dense_weights(layer: runtime.Exl3CudaExperts) -> dict[str, torch.Tensor]:
@@ -135,7 +135,7 @@ def graph_replays(
     with torch.cuda.graph(graph):
         static_out = layer.apply(*static)
     errs, diffs = [], []
-    for _ in range(replays):
+    for _replay in range(replays):
         fresh = random_routing(shape, tokens, gen, "cuda")
         for dst, src in zip(static, fresh):
             dst.copy_(src)

@@ -82,7 +82,7 @@ def shapes_for(capability: tuple[int, int] | None) -> tuple[dict[int, LaunchShap
 def launch_shape(tokens: int, capability: tuple[int, int] | None = (9, 0)) -> LaunchShape:
     """The launch options for this many tokens on a device of this capability: its tuned (or fallback)
     shape, with PDL only where `pdl_allowed`."""
-    table, _ = shapes_for(capability)
+    table = shapes_for(capability)[0]
     shape = table[max(t for t in table if t <= max(tokens, 1))]
     return replace(shape, pdl=shape.pdl and pdl_allowed(capability))
 

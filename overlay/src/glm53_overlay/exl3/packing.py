@@ -42,16 +42,16 @@ class PackedProjection:
     def stack(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], device: torch.device | str) -> PackedProjection:
         if not parts:
             raise ValueError("no experts to stack")
-        bits = {bits_per_weight(trellis) for trellis, _, _ in parts}
-        shapes = {tuple(trellis.shape) for trellis, _, _ in parts}
+        bits = {bits_per_weight(part[0]) for part in parts}
+        shapes = {tuple(part[0].shape) for part in parts}
         if len(bits) != 1 or len(shapes) != 1:
             raise ValueError(f"experts of one projection differ in shape {sorted(shapes)} or bits {sorted(bits)}")
         if not float(next(iter(bits))).is_integer():
             # The MoE kernels this path calls are instantiated for integer K only.
             raise ValueError(f"half-integer EXL3 experts (K={bits.pop()}) are not supported by the CUDA MoE path")
-        trellis = torch.stack([t.to(device=device, dtype=torch.int16) for t, _, _ in parts]).contiguous()
-        suh = torch.stack([s.to(device=device, dtype=torch.float16) for _, s, _ in parts]).contiguous()
-        svh = torch.stack([s.to(device=device, dtype=torch.float16) for _, _, s in parts]).contiguous()
+        trellis = torch.stack([part[0].to(device=device, dtype=torch.int16) for part in parts]).contiguous()
+        suh = torch.stack([part[1].to(device=device, dtype=torch.float16) for part in parts]).contiguous()
+        svh = torch.stack([part[2].to(device=device, dtype=torch.float16) for part in parts]).contiguous()
         projection = cls(trellis, suh, svh, bits.pop())
         projection.check()
         return projection

@@ -89,6 +89,6 @@ def tile_position_index() -> torch.Tensor:
 
 def states_to_tiles(states: torch.Tensor) -> torch.Tensor:
     """Per-position values [k/16, n/16, 256] -> matrix [k, n] (works for states or decoded weights)."""
-    tiles_k, tiles_n, _ = states.shape
+    tiles_k, tiles_n = states.shape[:2]
     tiles = states[..., tile_position_index().flatten().to(states.device)].view(tiles_k, tiles_n, TILE, TILE)
     return tiles.permute(0, 2, 1, 3).reshape(tiles_k * TILE, tiles_n * TILE)

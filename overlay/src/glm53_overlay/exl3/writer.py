@@ -108,7 +108,7 @@ def quantize_checkpoint(
     storage: dict[str, dict[str, object]] = {}
     quantized: list[str] = []
     for name, tensor in sorted(tensors.items()):
-        module, _, leaf = name.rpartition(".")
+        module, leaf = name.rpartition(".")[::2]
         if leaf == "weight" and tensor.dim() == 2 and pattern.search(module):
             rms = float(tensor.float().pow(2).mean().sqrt())
             packed, weight = random_linear(*tensor.shape, bits=bits, codebook=codebook, rms=rms, generator=generator)

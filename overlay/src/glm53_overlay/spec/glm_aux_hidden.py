@@ -68,7 +68,7 @@ class Glm4MoeLiteModelWithAux(_glm.Glm4MoeLiteModel, EagleModelMixin):
         # DFlash's target_layer_ids count from 0 and vLLM adds 1, so the last layer's output is end_layer.
         if self.end_layer in self.aux_hidden_state_layers:
             aux_hidden_states.append(hidden_states + residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        hidden_states = self.norm(hidden_states, residual)[0]
         if aux_hidden_states:
             return hidden_states, aux_hidden_states
         return hidden_states
