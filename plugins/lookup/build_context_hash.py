@@ -5,7 +5,8 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 name: build_context_hash
-author: sparkops
+author:
+  - sparkops (!UNKNOWN)
 version_added: "0.1.0"
 short_description: Hash the engine image's build context on the controller
 description:

@@ -251,7 +251,7 @@ def remove_stale_partials(cache_dir: str, repo_id: str) -> int:
 
 def partial_bytes(cache_dir: str, repo_id: str) -> int:
     """Bytes in huggingface_hub's in-flight `.incomplete` blobs of this repo."""
-    return sum(size for _, size in _incomplete_blobs(cache_dir, repo_id))
+    return sum(size for _blob, size in _incomplete_blobs(cache_dir, repo_id))
 
 
 # ---------------------------------------------------------------- the hub
@@ -451,7 +451,7 @@ def download_missing(req: SnapshotRequest, hub: Hub, plan: DownloadPlan,
             pool.submit(hub.download, manifest.repo_id, manifest.revision, e.path): e for e in todo
         }
         while pending:
-            finished, _ = wait(list(pending), timeout=PROGRESS_INTERVAL_S, return_when=FIRST_COMPLETED)
+            finished, _running = wait(list(pending), timeout=PROGRESS_INTERVAL_S, return_when=FIRST_COMPLETED)
             for future in finished:
                 entry = pending.pop(future)
                 exc = future.exception()

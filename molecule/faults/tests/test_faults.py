@@ -142,7 +142,7 @@ def test_rerun_recovers_while_another_run_waits_for_the_lock(sim: Sim) -> None:
     assert [sim.container(r)["Id"] for r in range(len(NAMES))] == ids, "the waiting run replaced rank containers"
     assert all(counts["changed"] == 0 for counts in recap(waiter.output).values()), waiter.evidence()
     chat = subprocess.run([sys.executable, str(REPO / "tools/sim_chat.py"), "--inventory", str(REPO / "inventory/sim"),
-                           "--check"], capture_output=True, text=True, timeout=300,
+                           "--check"], capture_output=True, text=True, timeout=300, check=False,
                           env=dict(sim.env(), GLM53_API_KEY=sim.secrets["glm53_api_key"]))
     assert chat.returncode == 0, chat.stdout + chat.stderr
 

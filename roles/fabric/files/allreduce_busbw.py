@@ -35,7 +35,7 @@ def main() -> None:
     for mib in (int(s) for s in args.sizes_mib.split(",")):
         size = mib * 2**20
         data = torch.ones(size // 4, dtype=torch.float32, device="cuda")
-        for _ in range(args.warmup):
+        for _warmup in range(args.warmup):
             dist.all_reduce(data)
         # A wrong sum means the fabric corrupted data: fail rather than report a bandwidth.
         data.fill_(1.0)
@@ -45,7 +45,7 @@ def main() -> None:
         torch.cuda.synchronize()
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(args.iters):
+        for _iteration in range(args.iters):
             dist.all_reduce(data)
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / args.iters

@@ -33,7 +33,7 @@ def addrs(name: str):
 
 
 def first_rail(ip_fixture: str, sysfs: str, netdev: str, ip: str, hca: str = ""):
-    port, _ = find_rails(addrs(ip_fixture), IP(ip), netdev, SYSFS / sysfs, parse_hca_pins(hca))[0]
+    port, _address = find_rails(addrs(ip_fixture), IP(ip), netdev, SYSFS / sysfs, parse_hca_pins(hca))[0]
     return port.hca, port.port, port.table
 
 
