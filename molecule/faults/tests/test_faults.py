@@ -72,7 +72,10 @@ def test_rank_killed_during_startup_fails_fast_and_a_second_run_waits_for_the_lo
     assert "TASK [sparkops.glm53.preflight" not in second.output, second.evidence()
 
     # Both engines are starting: kill the worker once it has logged something (its tail is the evidence).
-    wait_until(lambda: sim.node(1, "docker", "logs", RANK.format(1)).stderr.strip(), 300, 1, "the worker to log")
+    def worker_log() -> str:
+        return sim.node(1, "docker", "logs", RANK.format(1)).stderr.strip()
+
+    wait_until(worker_log, 300, 1, "the worker to log")
     sim.node(1, "docker", "kill", RANK.format(1), check=True)
     killed = time.monotonic()
     first.wait(300)
