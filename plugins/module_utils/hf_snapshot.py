@@ -275,6 +275,15 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.startswith("httpx")
 
 
+def not_found_hint(source: SnapshotSource, exc: BaseException) -> str:
+    """What a not-found answer means for a pinned revision. The hub says "repository not found" (olah
+    answers 401) also when only the revision is missing, which sends users looking at the repo name."""
+    if type(exc).__name__ not in ("RevisionNotFoundError", "RepositoryNotFoundError"):
+        return ""
+    return (f"the hub has no revision {source.revision!r} of {source.repo_id} (or no such repo, or the token "
+            "cannot read it); ")
+
+
 def with_retries(call: Callable[[], Any], tries: int = 4, delay_s: float = 0.5,
                  sleep: Callable[[float], None] = time.sleep,
                  before_retry: Callable[[], None] = lambda: None) -> Any:
@@ -306,7 +315,8 @@ class HuggingFaceHub:
     @staticmethod
     def _unavailable(source: SnapshotSource, exc: Exception) -> SourceUnavailable:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return SourceUnavailable(f"{source.repo_id}@{source.revision}: {type(exc).__name__}: {first_line}")
+        return SourceUnavailable(f"{source.repo_id}@{source.revision}: {not_found_hint(source, exc)}"
+                                 f"{type(exc).__name__}: {first_line}")
 
     @staticmethod
     def _fresh_connections() -> None:
@@ -510,5 +520,6 @@ def ensure_snapshot(req: SnapshotRequest, hub_factory: Callable[[], Hub], check_
                            attempts=attempts, disk=disk_info)
         except SourceUnavailable as exc:
             attempts.append({"repo_id": source.repo_id, "revision": source.revision, "error": str(exc)})
-    tried = ", ".join(f"{s.repo_id}@{s.revision}" for s in sources)
-    raise SnapshotError(f"no candidate could provide a complete snapshot (tried {tried})", attempts)
+    # Each attempt's error starts with its repo@revision: the message says which revision failed and why.
+    raise SnapshotError("no candidate could provide a complete snapshot: "
+                        + "; ".join(a["error"] for a in attempts), attempts)

@@ -175,6 +175,26 @@ def test_all_candidates_failing_names_every_attempt(cache):
     assert [a["repo_id"] for a in err.value.attempts] == ["org/primary", "org/x"]
 
 
+def test_a_revision_the_hub_does_not_have_is_named_with_its_repo_before_anything_downloads(cache):
+    hub = FakeHub(cache, {"org/primary": (SHA_A, FILES)})
+    with pytest.raises(SnapshotError) as err:
+        ensure_snapshot(request(cache, revision="no-such-tag"), lambda: hub)
+    assert str(err.value) == ("no candidate could provide a complete snapshot: "
+                              "org/primary@no-such-tag: RevisionNotFoundError")
+    assert hub.downloaded == [] and not os.path.exists(manifest_path(str(cache), "org/primary", SHA_A))
+
+
+@pytest.mark.parametrize("kind", ["RevisionNotFoundError", "RepositoryNotFoundError"])
+def test_not_found_says_the_revision_may_be_what_is_missing(kind):
+    # olah answers "Repository not found" (401) for an unknown revision of a repo it serves.
+    exc = type(kind, (Exception,), {})("401 Client Error: Repository not found")
+    error = hf_snapshot.HuggingFaceHub._unavailable(SnapshotSource("sim/tiny-glm", "no-such-tag"), exc)
+    assert str(error) == ("sim/tiny-glm@no-such-tag: the hub has no revision 'no-such-tag' of sim/tiny-glm (or no such "
+                          "repo, or the token cannot read it); %s: 401 Client Error: Repository not found" % kind)
+    other = hf_snapshot.HuggingFaceHub._unavailable(SnapshotSource("a/b", "main"), ConnectionError("refused"))
+    assert str(other) == "a/b@main: ConnectionError: refused"
+
+
 def test_not_enough_disk_fails_before_downloading(cache, monkeypatch):
     hub = FakeHub(cache, {"org/primary": (SHA_A, FILES)})
     monkeypatch.setattr(hf_snapshot, "disk_need", lambda d, n: hf_snapshot.DiskNeed(n, n - 1))
