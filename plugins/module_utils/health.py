@@ -26,6 +26,8 @@ SSH_OPTIONS: Tuple[str, ...] = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10"
 # States after which the container will not come back by itself: fail at once.
 TERMINAL_STATES = frozenset({"exited", "dead"})
 CANARY_BODY_LIMIT = 4000
+# The answer quoted in a failed canary message (the whole body is returned separately as evidence).
+CANARY_TEXT_LIMIT = 300
 
 PHASE_HEALTH = "waiting_health"
 PHASE_MODELS = "waiting_models"
@@ -263,6 +265,17 @@ def canary_request(canary: Canary, served_model_name: str) -> Dict[str, Any]:
     }
 
 
+def pattern_error(pattern: Optional[str]) -> Optional[str]:
+    """Why `pattern` is not a usable regular expression, or None (also for no pattern)."""
+    if not pattern:
+        return None
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        return "%s in %r" % (exc, pattern)
+    return None
+
+
 def is_degenerate(text: str) -> bool:
     """A broken engine (NaN logits, bad weights) often emits one token over and over ("!!!!!!!!")
     while /health is green. Flag a long answer made of a single repeated character."""
@@ -296,8 +309,11 @@ def evaluate_canary(status: int, body: str, expect_regex: Optional[str] = None) 
         return CanaryResult(False, text, "canary answer is empty", finish, tokens)
     if is_degenerate(text):
         return CanaryResult(False, text, "canary answer is degenerate (one repeated character)", finish, tokens)
+    # An engine with wrong kernels or weights can answer fluent, varied text that is not an answer at all; only
+    # a prompt with a checkable answer and a pattern for it catches that.
     if expect_regex and not re.search(expect_regex, text):
-        return CanaryResult(False, text, "canary answer does not match %r" % expect_regex, finish, tokens)
+        return CanaryResult(False, text, "canary answer %s does not match %r (glm53_canary_expect)"
+                            % (json.dumps(text[:CANARY_TEXT_LIMIT]), expect_regex), finish, tokens)
     return CanaryResult(True, text, "", finish, tokens)
 
 

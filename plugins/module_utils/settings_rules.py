@@ -123,6 +123,14 @@ def fraction(v: float) -> str | None:
     return None if 0 <= v <= 1 else "a fraction in [0, 1]"
 
 
+def regex_or_empty(v: str) -> str | None:
+    try:
+        re.compile(v)
+    except re.error as exc:
+        return f"a Python regular expression that compiles ({exc}), or empty"
+    return None
+
+
 def layer_spec(v: str) -> str | None:
     return None if _LAYERS.match(v) else "inclusive layer ranges and lists such as 15-45 or 1,3,5-7"
 
@@ -173,6 +181,7 @@ RULES: dict[str, Check] = {
     "glm53_ready_timeout": at_least(1),
     "glm53_health_poll_interval": at_least(1),
     "glm53_canary_prompt": nonempty,
+    "glm53_canary_expect": regex_or_empty,
     "glm53_canary_max_tokens": at_least(1),
     "glm53_log_tail": at_least(0),
     "glm53_lock_timeout": at_least(0),

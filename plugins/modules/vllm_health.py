@@ -97,7 +97,10 @@ options:
         type: int
         default: 32
       expect_regex:
-        description: Python regular expression the answer must contain (C(re.search)).
+        description:
+          - Python regular expression the answer must contain (C(re.search)). Use a prompt with a checkable
+            answer; an engine with broken kernels can answer fluent text that is empty of meaning.
+          - A pattern that does not compile fails the module before any request.
         type: str
       enable_thinking:
         description: Value of C(chat_template_kwargs.enable_thinking).
@@ -283,6 +286,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.health import (
     HealthIO,
     HealthWaiter,
     Rank,
+    pattern_error,
     progress_file_writer,
     subprocess_runner,
     urllib_http,
@@ -324,6 +328,9 @@ def main() -> None:
     p = module.params
     if p["not_running_polls"] < 1 or p["poll_interval"] <= 0 or p["timeout"] < 0:
         module.fail_json(msg="not_running_polls must be >= 1, poll_interval > 0 and timeout >= 0")
+    regex_error = pattern_error(p["canary"].get("expect_regex"))
+    if regex_error:
+        module.fail_json(msg="canary.expect_regex does not compile: %s" % regex_error)
     config = HealthConfig(
         url=p["url"],
         served_model_name=p["served_model_name"],

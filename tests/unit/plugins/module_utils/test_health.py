@@ -164,6 +164,33 @@ def test_evaluate_canary(status: int, body: str, regex: Optional[str], ok: bool,
     assert reason in result.reason
 
 
+# What the tiny simulated model (tools/sim_model) answers at temperature 0 to the old open canary question
+# ("what is tensor parallelism?"): fluent words, no repetition, nothing empty. Only a pattern catches it.
+FLUENT_GARBAGE = "The makes second start because nothing needs move twice Thinking step by helps hard problems"
+
+
+def test_a_fluent_but_wrong_answer_fails_only_with_a_pattern_and_the_message_quotes_answer_and_pattern() -> None:
+    assert h.evaluate_canary(200, chat_body(FLUENT_GARBAGE)).ok, "without a pattern any fluent text passes"
+    result = h.evaluate_canary(200, chat_body(FLUENT_GARBAGE), r"(?i)\bparis\b")
+    assert not result.ok and result.text == FLUENT_GARBAGE
+    assert result.reason == 'canary answer "%s" does not match %r (glm53_canary_expect)' % (FLUENT_GARBAGE,
+                                                                                           r"(?i)\bparis\b")
+    # The production default accepts the answer however the model phrases it.
+    for answer in ("Paris", "paris.", "The capital of France is Paris."):
+        assert h.evaluate_canary(200, chat_body(answer), r"(?i)\bparis\b").ok, answer
+    assert not h.evaluate_canary(200, chat_body("Comparison"), r"(?i)\bparis\b").ok
+
+
+def test_a_long_wrong_answer_is_quoted_shortened() -> None:
+    result = h.evaluate_canary(200, chat_body("word " * 200), "Paris")
+    assert len(result.reason) < h.CANARY_TEXT_LIMIT + 100 and result.text == "word " * 200
+
+
+def test_pattern_error_names_the_pattern() -> None:
+    assert h.pattern_error(None) is None and h.pattern_error("") is None and h.pattern_error(r"^The\b") is None
+    assert h.pattern_error("paris(") == "missing ), unterminated subpattern at position 5 in 'paris('"
+
+
 def test_api_headers_only_carry_a_key_when_set() -> None:
     assert "Authorization" not in h.api_headers(None)
     assert h.api_headers("sk-1")["Authorization"] == "Bearer sk-1"

@@ -53,6 +53,8 @@ def test_every_rule_names_a_setting_of_the_spec() -> None:
     ("glm53_limit_mm", {"image": -1}, "count >= 0"),
     ("glm53_engine_env", {"BAD NAME": "1"}, "environment variable"),
     ("glm53_canary_max_tokens", 0, ">= 1"),
+    # The health stage would raise re.error after the whole launch; refused before anything starts instead.
+    ("glm53_canary_expect", "(?i)paris(", "regular expression that compiles (missing ), unterminated subpattern"),
     # Zero attempts would stop the group at its first hiccup; a zero poll would spin on the head's cores.
     ("glm53_self_heal_max_attempts", 0, ">= 1"),
     ("glm53_self_heal_poll_interval", 0, ">= 1"),
