@@ -53,7 +53,7 @@ def _phase_list(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench_decode", description=__doc__.split("\n\n", maxsplit=1)[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n", maxsplit=1)[0])
     parser.add_argument("--base-url", required=True, help="API root, e.g. http://10.0.0.1:8888 (a /v1 suffix is fine)")
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--api-key-env", default="GLM53_API_KEY",
