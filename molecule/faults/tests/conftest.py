@@ -207,8 +207,9 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
     values = {
         "glm53_api_key": "sk-glm53-faults-" + secrets.token_hex(12),
         "glm53_hf_token": "hf_faults" + secrets.token_hex(12),
-        "glm53_registry_username": "faults",
-        "glm53_registry_password": "regpw-" + secrets.token_hex(12),
+        # The simulated registry's one user (its htpasswd is made from inventory/sim): a real login, from the vault.
+        "glm53_registry_username": SIM_VARS["glm53_registry_username"],
+        "glm53_registry_password": SIM_VARS["glm53_registry_password"],
     }
     password = base / "vault-password"
     password.write_text(secrets.token_hex(16) + "\n")
