@@ -312,7 +312,7 @@ def evaluate_canary(status: int, body: str, expect_regex: Optional[str] = None) 
     # An engine with wrong kernels or weights can answer fluent, varied text that is not an answer at all; only
     # a prompt with a checkable answer and a pattern for it catches that.
     if expect_regex and not re.search(expect_regex, text):
-        return CanaryResult(False, text, "canary answer %s does not match %r (glm53_canary_expect)"
+        return CanaryResult(False, text, "canary answer %s does not match the pattern %s (glm53_canary_expect)"
                             % (json.dumps(text[:CANARY_TEXT_LIMIT]), expect_regex), finish, tokens)
     return CanaryResult(True, text, "", finish, tokens)
 

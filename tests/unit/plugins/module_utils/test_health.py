@@ -173,8 +173,8 @@ def test_a_fluent_but_wrong_answer_fails_only_with_a_pattern_and_the_message_quo
     assert h.evaluate_canary(200, chat_body(FLUENT_GARBAGE)).ok, "without a pattern any fluent text passes"
     result = h.evaluate_canary(200, chat_body(FLUENT_GARBAGE), r"(?i)\bparis\b")
     assert not result.ok and result.text == FLUENT_GARBAGE
-    assert result.reason == 'canary answer "%s" does not match %r (glm53_canary_expect)' % (FLUENT_GARBAGE,
-                                                                                           r"(?i)\bparis\b")
+    assert result.reason == ('canary answer "%s" does not match the pattern (?i)\\bparis\\b (glm53_canary_expect)'
+                             % FLUENT_GARBAGE)
     # The production default accepts the answer however the model phrases it.
     for answer in ("Paris", "paris.", "The capital of France is Paris."):
         assert h.evaluate_canary(200, chat_body(answer), r"(?i)\bparis\b").ok, answer
