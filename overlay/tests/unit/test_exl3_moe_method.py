@@ -172,6 +172,38 @@ def test_vllm_method_matches_the_exact_moe(cpu_kernels, monkeypatch, case: Case,
 
 
 @vllm_required
+@pytest.mark.parametrize("case", [Case(TINY_INTERMEDIATE, 1), Case(256, 2)], ids=["I64-tp1", "I256-tp2"])
+def test_cpu_method_decodes_into_vllms_layout(monkeypatch, case: Case) -> None:
+    """The CPU method (what the simulation serves): what it hands vLLM's unquantized method, w13 [E, 2I/tp, H] and
+    w2 [E, H, I/tp], are the exact weights sliced by vLLM's own loader (read before vLLM repacks them for its
+    CPU kernel)."""
+    from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+
+    from glm53_overlay.exl3.moe import Exl3DequantizedMoEMethod
+
+    handed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    vllms_own = UnquantizedFusedMoEMethod.process_weights_after_loading
+
+    def record(self, layer):
+        handed.append((layer.w13_weight.data.clone(), layer.w2_weight.data.clone()))
+        return vllms_own(self, layer)
+
+    monkeypatch.setattr(UnquantizedFusedMoEMethod, "process_weights_after_loading", record)
+    monkeypatch.setattr(runtime, "cuda_moe_supported", lambda: False)
+    packed = packed_checkpoint(case.intermediate)
+    exact = exact_weights(packed, case.intermediate)
+    width = case.intermediate // case.tp
+    for rank in range(case.tp):
+        layer = _vllm_layer(case, rank, packed, monkeypatch)
+        assert isinstance(layer.quant_method, Exl3DequantizedMoEMethod) and not hasattr(layer, "w13_trellis")
+        w13, w2 = handed[rank]
+        cols = slice(rank * width, (rank + 1) * width)
+        gate_up = torch.cat([exact["gate"][:, :, cols], exact["up"][:, :, cols]], dim=2).transpose(1, 2)
+        assert torch.equal(w13, gate_up.to(torch.bfloat16))
+        assert torch.equal(w2, exact["down"][:, cols, :].transpose(1, 2).to(torch.bfloat16))
+
+
+@vllm_required
 def test_one_rank_alone_is_far_from_the_sum(cpu_kernels, monkeypatch) -> None:
     case = Case(256, 2)
     packed = packed_checkpoint(case.intermediate)

@@ -101,7 +101,8 @@ class Exl3DequantizedMoEMethod(Exl3MoEMethodBase):
 
     def process_weights_after_loading(self, layer: RoutedExperts) -> None:  # type: ignore[override]
         codebooks = self.checked_codebooks(layer)
-        super().create_weights(layer, *self._unquantized_args, **self._unquantized_attrs)
+        # vLLM's own w13/w2 now (the base class's create_weights registers only the placeholders).
+        UnquantizedFusedMoEMethod.create_weights(self, layer, *self._unquantized_args, **self._unquantized_attrs)
         moe = layer.moe_config
         hidden = moe.hidden_dim_unpadded or moe.hidden_dim
         for (expert, shard), parts in sorted(self._packed.items()):
