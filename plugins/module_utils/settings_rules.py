@@ -182,6 +182,11 @@ RULES: dict[str, Check] = {
     "glm53_health_poll_interval": at_least(1),
     "glm53_canary_prompt": nonempty,
     "glm53_canary_expect": regex_or_empty,
+    # A revision or threshold the gate reads only after the whole launch: refused before anything starts.
+    "glm53_quality_repo": matches(_HF_REPO, "a Hugging Face repo id, org/name", empty_ok=True),
+    "glm53_quality_revision": revision,
+    "glm53_quality_max_kld": at_least(0),
+    "glm53_quality_min_top1": between(0, 1),
     "glm53_canary_max_tokens": at_least(1),
     "glm53_log_tail": at_least(0),
     "glm53_lock_timeout": at_least(0),

@@ -55,6 +55,10 @@ def test_every_rule_names_a_setting_of_the_spec() -> None:
     ("glm53_canary_max_tokens", 0, ">= 1"),
     # The health stage would raise re.error after the whole launch; refused before anything starts instead.
     ("glm53_canary_expect", "(?i)paris(", "regular expression that compiles (missing ), unterminated subpattern"),
+    ("glm53_quality_repo", "tiny-glm-quality", "repo id, org/name or empty"),
+    ("glm53_quality_revision", "", "branch, tag or commit"),
+    ("glm53_quality_max_kld", -0.1, ">= 0"),
+    ("glm53_quality_min_top1", 1.5, "in [0, 1]"),
     # Zero attempts would stop the group at its first hiccup; a zero poll would spin on the head's cores.
     ("glm53_self_heal_max_attempts", 0, ">= 1"),
     ("glm53_self_heal_poll_interval", 0, ">= 1"),
