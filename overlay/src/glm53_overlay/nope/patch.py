@@ -114,9 +114,10 @@ def _patch_mla_wrapper(wrapper: type) -> None:
 
 def install_nope_padding() -> str | None:
     """Patch once per process; None (and a log line) when this vLLM is not one the patch was checked on."""
-    reason = unchecked_reason(find_vllm(), NOPE_PATCH_RELEASES)
-    if reason is not None:
-        _logger.warning("glm53-nope: path=none (%s; NoPE models will not be padded)", reason)
+    install = find_vllm()
+    reason = unchecked_reason(install, NOPE_PATCH_RELEASES)
+    if reason is not None or install is None:
+        _logger.warning("glm53-nope: path=none (%s; NoPE models will not be padded)", reason or "no vLLM installed")
         return None
     from vllm.model_executor.layers.attention import MLAAttention
     from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
