@@ -138,14 +138,16 @@ def test_bad_values_of_features_that_are_off_are_refused_and_the_serving_ranks_a
     assert "TASK [sparkops.glm53.fabric" not in run.output, run.evidence()
 
 
+TYPE_ERROR = "argument 'glm53_max_num_seqs' is of type str and we were unable to convert to int"
+BAD_PATTERN = ("glm53_canary_expect must be a Python regular expression that compiles (missing ), unterminated "
+               "subpattern at position 9), or empty (got '(?i)paris(')")
+
+
 @pytest.mark.parametrize(("tag", "setting", "value", "expected"), [
     # A type error: the role's argument spec refuses it before the run lock is taken.
-    ("launch", "glm53_max_num_seqs", "many", "argument 'glm53_max_num_seqs' is of type str and we were unable to "
-                                             "convert to int"),
+    ("launch", "glm53_max_num_seqs", "many", TYPE_ERROR),
     ("weights", "glm53_dflash_tokens", "0", "glm53_dflash_tokens must be in [1, 16] (got '0')"),
-    ("health", "glm53_canary_expect", "(?i)paris(", "glm53_canary_expect must be a Python regular expression that "
-                                                   "compiles (missing ), unterminated subpattern at position 9), or "
-                                                   "empty (got '(?i)paris(')"),
+    ("health", "glm53_canary_expect", "(?i)paris(", BAD_PATTERN),
 ], ids=["launch", "weights", "health"])
 def test_every_tag_that_reaches_the_ranks_validates_the_settings_first(sim: Sim, serving: None, tag: str,
                                                                        setting: str, value: str, expected: str) -> None:

