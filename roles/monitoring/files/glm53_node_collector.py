@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+# SPDX-License-Identifier: MIT
 """Per-node facts the engine does not export, as a node-exporter textfile (glm53.prom).
 
 Runs in a sidecar container on every node (standard library only, so it runs in any image with a python3):
@@ -85,7 +85,7 @@ def parse_meminfo(text: str) -> dict[str, int]:
     """/proc/meminfo as bytes per field ("MemTotal: 131072 kB" -> {"MemTotal": 134217728})."""
     fields: dict[str, int] = {}
     for line in text.splitlines():
-        key, _, rest = line.partition(":")
+        key, _colon, rest = line.partition(":")
         parts = rest.split()
         if not parts or not parts[0].isdigit():
             continue
@@ -128,7 +128,7 @@ def gpu_samples(csv_text: str) -> list[Sample]:
         cells = [cell.strip() for cell in row.split(",")]
         if len(cells) != len(NVIDIA_SMI_FIELDS) + 1:
             raise ValueError(f"nvidia-smi row has {len(cells)} fields, expected {len(NVIDIA_SMI_FIELDS) + 1}: {row!r}")
-        for (_, metric, labels, factor), cell in zip(NVIDIA_SMI_FIELDS, cells[1:]):
+        for (_field, metric, labels, factor), cell in zip(NVIDIA_SMI_FIELDS, cells[1:]):
             value = _number(cell)
             if value is not None:
                 samples.append(Sample(metric, value * factor, {"gpu": cells[0], **labels}))
@@ -177,7 +177,7 @@ def _docker_time(text: str) -> float | None:
     """Docker's RFC 3339 time with nanoseconds ("2026-12-01T10:00:00.123456789Z"); None for its zero time."""
     if not text or text.startswith("0001-"):
         return None
-    base, _, frac = text.rstrip("Z").partition(".")
+    base, _dot, frac = text.rstrip("Z").partition(".")
     try:
         moment = datetime.strptime(base, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc)
     except ValueError:

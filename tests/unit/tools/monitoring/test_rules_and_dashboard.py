@@ -97,6 +97,7 @@ def test_every_dashboard_query_names_a_metric_the_exporters_or_rules_produce(ren
 def test_every_panel_reads_the_chosen_data_source():
     variables = {v["name"] for v in DASHBOARD["templating"]["list"] if v["type"] == "datasource"}
     assert variables == {"datasource"}
+
     def panels(items):
         for p in items:
             yield p
