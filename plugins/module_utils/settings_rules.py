@@ -203,7 +203,7 @@ RULES: dict[str, Check] = {
     "glm53_monitoring_node_exporter_port": between(1, 65535),
     "glm53_monitoring_scrape_interval": at_least(1),
     "glm53_monitoring_retention": matches(_PROM_DURATION, "a Prometheus duration such as 15d"),
-    "glm53_monitoring_canary_interval": at_least(1),
+    "glm53_monitoring_canary_interval": at_least(0),
     "glm53_monitoring_down_for": matches(_PROM_DURATION, "a Prometheus duration such as 1m"),
     "glm53_monitoring_degraded_for": matches(_PROM_DURATION, "a Prometheus duration such as 5m"),
     "glm53_monitoring_kv_cache_max": between(0, 1, low_open=True),
