@@ -18,6 +18,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import tempfile
 import time
 import urllib.parse
@@ -276,6 +277,11 @@ def save_state(path: str, state: State) -> None:
     os.replace(tmp, path)
 
 
+def _shape(reason: str) -> str:
+    """A reason without its numbers: a count of seconds ticking is not news for the log."""
+    return re.sub(r"[0-9]+", "#", reason)
+
+
 class Supervisor:
     def __init__(self, config: SupervisorConfig, io: HealthIO, log: Callable[[str], None],
                  wall: Callable[[], float] = time.time) -> None:
@@ -284,6 +290,7 @@ class Supervisor:
         self.log = log
         # Wall-clock time, not io.clock: the state's times must mean the same after a reboot.
         self.wall = wall
+        self.last_logged = ""
 
     @property
     def head(self) -> Rank:
@@ -382,8 +389,10 @@ class Supervisor:
         elif decision.action == ACTION_GIVE_UP:
             self.stop_group()
             self.log(new.reason)
-        if new.phase != state.phase or new.reason != state.reason:
-            self.log("%s: %s" % (new.phase, new.reason))
+        line = "%s: %s" % (new.phase, new.reason)
+        if _shape(line) != self.last_logged:
+            self.log(line)
+            self.last_logged = _shape(line)
         # While a site.yml run holds the lock, the state file is the run's: it may reset it at its end, and
         # a write from here, made from what was read before, would undo that.
         if new.phase != PHASE_PAUSED:

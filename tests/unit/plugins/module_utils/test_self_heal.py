@@ -303,6 +303,9 @@ def test_a_site_run_holding_the_lock_is_never_raced(cluster: FakeCluster, tmp_pa
                          cluster.now)
     cluster.status["glm53-rank1"] = ("exited", 137)
     assert sup.poll().state.phase == sh.PHASE_PAUSED and cluster.commands == []
+    cluster.sleep(10)
+    sup.poll()
+    assert len([line for line in _lines if line.startswith("paused")]) == 1, "the log repeats a ticking reason"
     # The run owns the state file meanwhile (it resets it at its end): the supervisor does not write it.
     assert not Path(sup.cfg.state_path).exists()
 
