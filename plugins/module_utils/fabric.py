@@ -383,7 +383,7 @@ def hca_env(rails: Sequence[Rail], devices: Sequence[tuple[str, int]]) -> str:
     (exact match) when one name is a prefix of another device's name (NCCL matches prefixes: mlx5_1 would
     also take mlx5_10)."""
     ports_of: dict[str, int] = {}
-    for hca, _ in devices:
+    for hca, _port in devices:
         ports_of[hca] = ports_of.get(hca, 0) + 1
     names = [r.hca for r in rails if r.hca]
     tokens = [f"{r.hca}:{r.port}" if ports_of.get(r.hca or "", 1) > 1 else str(r.hca) for r in rails if r.hca]
@@ -461,5 +461,6 @@ def discover_fabric(addrs: list[Ipv4Addr], fabric_ip: str, sysfs_root: Path, *, 
                                      gid_index=gid_index, min_mtu=min_mtu)
     if problems:
         raise FabricError("; ".join(str(p) for p in problems), option=problems[0].option)
-    assert facts is not None
+    if facts is None:  # inspect_fabric returns facts whenever it reports no problem
+        raise AssertionError("inspect_fabric returned neither facts nor problems")
     return facts

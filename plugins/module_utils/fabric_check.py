@@ -127,7 +127,7 @@ def _mtu_problems(nodes: Mapping[str, Node], report: Report) -> None:
     mtus = [(name, rail, int(rail["mtu"])) for name, node in nodes.items() for rail in node.get("rails", [])]
     if not mtus:
         return
-    counts = Counter(m for _, _, m in mtus)
+    counts = Counter(m for _node, _rail, m in mtus)
     # The value most rails have is the fabric's; ties go to the larger MTU (the one jumbo frames want).
     usual = max(counts, key=lambda m: (counts[m], m))
     for name, rail, mtu in mtus:
@@ -141,7 +141,7 @@ def _mtu_problems(nodes: Mapping[str, Node], report: Report) -> None:
 
 def _speed_problems(nodes: Mapping[str, Node], report: Report) -> None:
     speeds = [(name, rail, rail.get("speed_mbps")) for name, node in nodes.items() for rail in node.get("rails", [])]
-    known = [s for _, _, s in speeds if s]
+    known = [s for _node, _rail, s in speeds if s]
     best = max(known, default=0)
     for name, rail, speed in speeds:
         if speed and speed < best:

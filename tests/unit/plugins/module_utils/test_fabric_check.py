@@ -117,8 +117,8 @@ def test_one_rail_down_reports_every_consequence_naming_node_and_interface():
     nodes = {"spark-head": node_from("spark-dual-head", "spark-dual-rail-down", "10.0.0.1"),
              "spark-worker": node_from("spark-dual-worker", "spark-dual-worker", "10.0.0.2")}
     lost = {"rc": 1, "output": "100% packet loss"}
-    report = fabric_report(nodes, all_pings(nodes, {("spark-head", "10.0.1.2"): lost,
-                                                   ("spark-worker", "10.0.1.1"): lost}), SKIPPED, 130)
+    pings = all_pings(nodes, {("spark-head", "10.0.1.2"): lost, ("spark-worker", "10.0.1.1"): lost})
+    report = fabric_report(nodes, pings, SKIPPED, 130)
     assert report["problems"] == [
         "spark-head: link enP2p1s0f1np1 is down (rail roceP2p1s0f1 port 1); check the CX7 cable and "
         "`ip link set enP2p1s0f1np1 up`",
