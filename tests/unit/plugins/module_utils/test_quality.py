@@ -110,7 +110,7 @@ def test_a_degenerate_engine_that_always_says_eos_scores_tens_of_nats() -> None:
 def test_never_above_the_full_vocabulary_kld_and_exact_when_everything_is_listed(seed: int) -> None:
     rng = random.Random(seed)
     vocab = 30
-    teacher = log_softmax([rng.gauss(0, 2.5) for _ in range(vocab)])
+    teacher = log_softmax([rng.gauss(0, 2.5) for _token in range(vocab)])
     # A perturbed student: close for small noise, far for large.
     noise = rng.choice([0.05, 0.5, 3.0])
     student = log_softmax([x + rng.gauss(0, noise) for x in teacher])
@@ -141,8 +141,8 @@ def window_dict(window_id: str = "w0", tokens: Sequence[int] = (1, 2, 3, 4), sco
                 k: int = 2) -> Dict[str, object]:
     rows = len(tokens) - scored_from
     return {"id": window_id, "kind": "text", "token_ids": list(tokens), "scored_from": scored_from,
-            "top_ids": [[5, 6][:k] + list(range(10, 10 + k - 2)) for _ in range(rows)],
-            "top_logprobs": [[-0.2, -2.0][:k] + [-9.0] * (k - 2) for _ in range(rows)]}
+            "top_ids": [[5, 6][:k] + list(range(10, 10 + k - 2)) for _row in range(rows)],
+            "top_logprobs": [[-0.2, -2.0][:k] + [-9.0] * (k - 2) for _row in range(rows)]}
 
 
 def metadata(k: int = 2) -> Dict[str, object]:
@@ -196,7 +196,7 @@ def test_load_reference_reads_the_directory_and_names_a_missing_one(tmp_path: Pa
 def make_window(window_id: str, teacher_rows: Sequence[Sequence[float]], k: int = K) -> q.Window:
     tokens = tuple(range(100, 101 + len(teacher_rows)))
     rows = [teacher_row(r, k) for r in teacher_rows]
-    return q.Window(window_id, tokens, 1, tuple(tuple(i) for i, _ in rows), tuple(tuple(v) for _, v in rows), "text")
+    return q.Window(window_id, tokens, 1, tuple(tuple(i) for i, _values in rows), tuple(tuple(v) for _ids, v in rows), "text")
 
 
 def completion_body(window: q.Window, served_rows: Sequence[Sequence[float]], k: int = K) -> str:
@@ -207,7 +207,7 @@ def completion_body(window: q.Window, served_rows: Sequence[Sequence[float]], k:
 
 def rows(seed: int, count: int = 4, vocab: int = 20) -> List[List[float]]:
     rng = random.Random(seed)
-    return [log_softmax([rng.gauss(0, 3) for _ in range(vocab)]) for _ in range(count)]
+    return [log_softmax([rng.gauss(0, 3) for _token in range(vocab)]) for _row in range(count)]
 
 
 def test_window_score_names_its_worst_position_and_top1_agreement() -> None:
@@ -279,7 +279,7 @@ def test_run_fails_a_server_that_is_fluent_but_flattened_naming_kld_threshold_an
     teacher = rows(4)
     flattened = [log_softmax([x * 0.4 for x in r]) for r in teacher]
     window = make_window("chat-007", teacher)
-    outcome, _ = gate({str([100, 101, 102]): HttpResult(200, completion_body(window, flattened))}, [window])
+    outcome, _api = gate({str([100, 101, 102]): HttpResult(200, completion_body(window, flattened))}, [window])
     assert outcome.failed and outcome.report["top1"] == 1.0
     assert "> max_kld 0.05" in outcome.msg and "chat-007 (KLD" in outcome.msg
 
@@ -295,7 +295,7 @@ def test_run_fails_a_server_that_is_fluent_but_flattened_naming_kld_threshold_an
 )
 def test_a_request_the_gate_cannot_score_fails_with_the_evidence(answer: HttpResult, needle: str) -> None:
     window = make_window("w", rows(5))
-    outcome, _ = gate({str([100, 101, 102]): answer}, [window])
+    outcome, _api = gate({str([100, 101, 102]): answer}, [window])
     assert outcome.failed and needle in outcome.msg and "window w" in outcome.msg and not outcome.report
 
 
