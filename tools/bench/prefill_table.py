@@ -29,12 +29,12 @@ def _cell(values: list[float], fmt: str) -> str:
 
 
 def table(sweep: Path) -> str:
-    lines = ["| setting | runs | " + " | ".join(name for name, _, _ in COLUMNS) + " |",
+    lines = ["| setting | runs | " + " | ".join(name for name, _get, _fmt in COLUMNS) + " |",
              "|---|---|" + "---|" * len(COLUMNS)]
     for folder in sorted(p for p in sweep.iterdir() if p.is_dir()):
         runs: list[dict[str, Any]] = [json.loads(f.read_text())["mixed"] for f in sorted(folder.glob("bench-*.json"))]
         runs = [m for m in runs if m is not None]
-        cells = [_cell([v for m in runs if (v := get(m)) is not None], fmt) for _, get, fmt in COLUMNS]
+        cells = [_cell([v for m in runs if (v := get(m)) is not None], fmt) for _name, get, fmt in COLUMNS]
         lines.append(f"| {folder.name} | {len(runs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -240,8 +240,8 @@ def supervisor(cluster: FakeCluster, tmp_path: Path, **policy: float) -> Tuple[s
     return sh.Supervisor(config, io, lines.append, wall=cluster.clock), lines
 
 
-def test_a_dead_worker_restarts_the_whole_group_workers_first_under_the_run_lock(cluster: FakeCluster,
-                                                                                   tmp_path: Path) -> None:
+def test_a_dead_worker_restarts_the_whole_group_workers_first_under_the_run_lock(
+        cluster: FakeCluster, tmp_path: Path) -> None:
     sup, _lines = supervisor(cluster, tmp_path)
     assert sup.poll().action == sh.ACTION_NONE and cluster.commands == []
     cluster.status["glm53-rank1"] = ("exited", 137)
@@ -321,7 +321,7 @@ def test_an_unreachable_worker_is_waited_for_then_the_group_recovers(cluster: Fa
     sup, _lines = supervisor(cluster, tmp_path)
     cluster.reachable = False
     cluster.status = {"glm53-rank0": ("exited", 0), "glm53-rank1": ("exited", 0)}  # both nodes rebooted
-    for _ in range(5):
+    for _poll in range(5):
         decision = sup.poll()
         assert decision.action == sh.ACTION_NONE and decision.state.phase == sh.PHASE_WAITING
     assert cluster.commands == []

@@ -72,8 +72,8 @@ def test_every_rule_names_a_setting_of_the_spec() -> None:
     ("glm53_monitoring_spec_acceptance_min", 1.5, "fraction"),
     ("glm53_grafana_url", "grafana:3000", "http(s)"),
 ])
-def test_a_value_that_cannot_be_right_names_the_setting_and_what_is_allowed(name: str, value: Any,
-                                                                             allowed: str) -> None:
+def test_a_value_that_cannot_be_right_names_the_setting_and_what_is_allowed(
+        name: str, value: Any, allowed: str) -> None:
     errors = errors_for(**{name: value})
     assert len(errors) == 1, errors
     assert errors[0].startswith(name) and allowed in errors[0]

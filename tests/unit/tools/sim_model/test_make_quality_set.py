@@ -39,7 +39,7 @@ def test_the_gate_reads_the_set_with_the_recorded_settings(made: tuple[Path, Pat
 def test_the_teacher_served_back_to_itself_scores_zero(made: tuple[Path, Path]) -> None:
     _model, out = made
     window = q.load_reference(str(out)).windows[0]
-    served = [q.ServedPosition({t: v for t, v in zip(ids, lps)}, tuple(ids))
+    served = [q.ServedPosition(dict(zip(ids, lps)), tuple(ids))
               for ids, lps in zip(window.top_ids, window.top_logprobs)]
     score = q.score_window(window, served)
     assert score.kld == pytest.approx(0.0, abs=1e-9) and score.top1 == 1.0
