@@ -1,8 +1,11 @@
 #!/bin/sh
 # PID 1 of a simulated Spark: authorize the controller's key, then run sshd and dockerd.
 set -eu
+# Added, not overwritten: a restart of this node is its reboot, and a reboot keeps the keys others
+# authorized (the head's, which preflight adds for its ssh to the workers).
 if [ -n "${SIM_AUTHORIZED_KEY:-}" ]; then
-  printf '%s\n' "$SIM_AUTHORIZED_KEY" > /root/.ssh/authorized_keys
+  touch /root/.ssh/authorized_keys
+  grep -qxF "$SIM_AUTHORIZED_KEY" /root/.ssh/authorized_keys || printf '%s\n' "$SIM_AUTHORIZED_KEY" >> /root/.ssh/authorized_keys
   chmod 600 /root/.ssh/authorized_keys
 fi
 ssh-keygen -A >/dev/null
