@@ -147,6 +147,15 @@ def validate_settings(settings: Mapping[str, Any], *, num_attention_heads: int =
         _check(errors, settings, "draft_tensor_parallel_size", as_int,
                lambda v: v == 1 or v == tp, f"1 or {var('tensor_parallel_size')}")
 
+    if settings.get("dense_quantization") == "fp8":
+        # The overlay's exl3 config applies it, on FP8 tensor cores only; elsewhere it would refuse at load.
+        if settings.get("gpu") not in (None, "") and not as_bool(settings["gpu"]):
+            errors.append(f"{var('dense_quantization')} fp8 needs a GPU with FP8 tensor cores, and {var('gpu')} is "
+                          "false (CPU ranks serve BF16): set it to none")
+        if settings.get("quantization") != "exl3":
+            errors.append(f"{var('dense_quantization')} fp8 works through the exl3 quantization config, and "
+                          f"{var('quantization')} is {settings.get('quantization')!r}: set it to none or use exl3")
+
     limit = settings.get("limit_mm")
     if limit is not None and not isinstance(limit, Mapping):
         errors.append(f"{var('limit_mm')} must be a mapping such as {{image: 4, video: 1}} or empty")

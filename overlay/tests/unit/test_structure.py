@@ -27,7 +27,7 @@ EXL3_LAYERS = (
     ("mcg4_moe",),
     ("packing", "writer", "vectors"),
     ("reference",),
-    ("codebook", "trellis", "hadamard"),
+    ("codebook", "trellis", "hadamard", "dense"),
 )
 VLLM_ALLOWED = {"glm53_overlay.exl3.config", "glm53_overlay.exl3.moe"}
 

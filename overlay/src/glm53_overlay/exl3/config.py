@@ -2,7 +2,8 @@
 
 `Exl3Config` picks each layer's method: routed experts get a fused-MoE method from `moe.py` (the CUDA
 one where `runtime.cuda_moe_supported()`, else the exact CPU one); linears get `Exl3LinearMethod` here,
-which serves BF16 linears as usual and decodes EXL3 ones once at load.
+which serves BF16 linears as usual and decodes EXL3 ones once at load, or, with
+`glm53_dense_quantization` fp8 (`dense.py`), vLLM's online FP8 method, except the few `dense.KEPT_BF16`.
 
 Layering (no cycle; tests/unit/test_structure.py checks it): config -> moe -> runtime -> packing, and
 codebook / trellis / hadamard / reference below them. vLLM is imported at module import: only
@@ -12,6 +13,7 @@ codebook / trellis / hadamard / reference below them. vLLM is imported at module
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 from typing import Any
 
@@ -19,7 +21,9 @@ import torch
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.platforms import current_platform
 
+from glm53_overlay.exl3 import dense
 from glm53_overlay.exl3.moe import Exl3CudaMoEMethod, Exl3DequantizedMoEMethod
 from glm53_overlay.exl3.packing import EXL3_PARTS, codebook_of
 from glm53_overlay.exl3.reference import dequantize
@@ -37,12 +41,13 @@ KEPT_KEYS = ("quant_method", "version", "bits", "head_bits", "codebook")
 
 
 class Exl3Config(QuantizationConfig):
-    def __init__(self, settings: dict[str, Any]) -> None:
+    def __init__(self, settings: dict[str, Any], dense_quantization: str = "none") -> None:
         super().__init__()
         self.settings = settings
+        self.dense_quantization = dense_quantization
 
     def __repr__(self) -> str:
-        return f"Exl3Config({self.settings})"
+        return f"Exl3Config({self.settings}, dense_quantization={self.dense_quantization!r})"
 
     def get_name(self) -> str:  # type: ignore[override]
         return QUANT_METHOD
@@ -62,7 +67,12 @@ class Exl3Config(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> Exl3Config:
         if config.get("quant_method") != QUANT_METHOD:
             raise ValueError(f"not an EXL3 quantization_config: quant_method={config.get('quant_method')!r}")
-        return cls({key: config[key] for key in KEPT_KEYS if key in config})
+        # vLLM builds the config while loading the model: a bad or unservable setting stops the load here.
+        mode = dense.parse_dense_quantization(os.environ)
+        dense.check_supported(mode, _device_capability())
+        if mode != "none":
+            _logger.info("glm53_overlay: %s=%s, BF16 linears get vLLM's online FP8 method", dense.SETTING, mode)
+        return cls({key: config[key] for key in KEPT_KEYS if key in config}, dense_quantization=mode)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, RoutedExperts):
@@ -70,8 +80,26 @@ class Exl3Config(QuantizationConfig):
                 return Exl3CudaMoEMethod(layer.moe_config)
             return Exl3DequantizedMoEMethod(layer.moe_config)
         if isinstance(layer, LinearBase):
+            if self.dense_quantization == "fp8" and not dense.stays_bf16(prefix):
+                return _fp8_linear_method()
             return Exl3LinearMethod()
         return None
+
+
+def _device_capability() -> tuple[int, int] | None:
+    if not current_platform.is_cuda():
+        return None
+    capability = current_platform.get_device_capability()
+    return None if capability is None else (capability.major, capability.minor)
+
+
+def _fp8_linear_method() -> QuantizeMethodBase:
+    # vLLM's own `--quantization fp8_per_tensor` method: BF16 weights quantized per tensor at load, activations
+    # quantized per token at run time (cutlass; per tensor without it). It loads BF16 tensors only: a checkpoint
+    # whose dense linears are EXL3 (not GLM-5.3 Flash) cannot use it.
+    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PerTensorOnlineLinearMethod
+
+    return Fp8PerTensorOnlineLinearMethod()
 
 
 # Unpadded [out, in] of one checkpoint tensor feeding a (possibly merged) linear.

@@ -324,3 +324,12 @@ def test_long_prefill_cap_is_rendered_only_when_set() -> None:
 def test_long_prefill_settings_vllm_would_refuse_are_caught_first(changes: dict, message: str) -> None:
     errors = validate_settings(settings(**changes))
     assert any(e.startswith(message) for e in errors), errors
+
+
+def test_dense_fp8_is_refused_without_a_gpu_or_outside_exl3():
+    assert validate_settings(settings(dense_quantization="fp8", gpu=True)) == []
+    assert validate_settings(settings(dense_quantization="none", gpu=False)) == []
+    errors = validate_settings(settings(dense_quantization="fp8", gpu=False))
+    assert any("glm53_dense_quantization fp8 needs a GPU" in e and "glm53_gpu is false" in e for e in errors), errors
+    errors = validate_settings(settings(dense_quantization="fp8", gpu=True, quantization=""))
+    assert any("glm53_dense_quantization fp8 works through the exl3" in e for e in errors), errors
