@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,13 +16,19 @@ import pytest
 from ansible_collections.sparkops.glm53.plugins.module_utils import quality as q
 from tools.sim_model import make_quality_set, make_tiny_glm, serve_hub
 
+REPO = Path(__file__).resolve().parents[4]
+
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("quality")
     model = make_tiny_glm.write_checkpoint(root / "sim--tiny-glm", 0)
     out = root / "sim--tiny-glm-quality"
-    assert make_quality_set.main([str(out), "--from", str(model)]) == 0
+    # In a process of its own, as the tool runs: earlier tests import ansible into this one, which replaces
+    # sys.intern, and torch._dynamo (imported by transformers here) refuses to load over the replacement.
+    done = subprocess.run([sys.executable, "-m", "tools.sim_model.make_quality_set", str(out), "--from", str(model)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
     return model, out
 
 
