@@ -81,14 +81,14 @@ def recover_after(sim: Sim, event: str, cause) -> float:
     record = state(sim).get("recoveries", [{}])[-1]
     measured[event] = seconds
     print("%s: API answered again %ss after the event (supervisor: recovery took %ss, trigger: %s); "
-          "a normal engine start took %ss" % (event, seconds, record.get("seconds"), record.get("trigger"),
-                                               measured["engine_start"]))
+          "a normal engine start took %ss"
+          % (event, seconds, record.get("seconds"), record.get("trigger"), measured["engine_start"]))
     assert len(sim.runs) == runs_before, "an Ansible run happened during the recovery"
     assert after == measured["answers"], "answers after %s differ from before: %s != %s" % (
         event, after, measured["answers"])
     assert seconds <= RECOVERY_FACTOR * measured["engine_start"], (
-        "%s took %ss, more than %dx a normal engine start (%ss)" % (event, seconds, RECOVERY_FACTOR,
-                                                                   measured["engine_start"]))
+        "%s took %ss, more than %dx a normal engine start (%ss)"
+        % (event, seconds, RECOVERY_FACTOR, measured["engine_start"]))
     return seconds
 
 
