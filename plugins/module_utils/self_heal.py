@@ -216,6 +216,23 @@ def record_recovery(state: State, trigger: str, started: float, ended: float, ok
                    updated=ended)
 
 
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b|\berror\b", re.IGNORECASE)
+
+
+def evidence_lines(log_tail: Sequence[str], errors: int = 3) -> List[str]:
+    """What a give-up reason quotes from a dead rank's log: its first error lines (the root cause of a
+    Python traceback is near its top; the bottom is the generic re-raise) and its last line."""
+    lines = [line.strip() for line in log_tail if line.strip()]
+    found: List[str] = []
+    for line in lines:
+        if _ERROR_LINE.search(line) and line not in found:
+            found.append(line)
+    picked = found[:errors]
+    if lines and lines[-1] not in picked:
+        picked.append(lines[-1])
+    return [line[:300] for line in picked]
+
+
 def _stamp(when: Optional[float]) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when)) if when is not None else "?"
 
@@ -356,8 +373,8 @@ class Supervisor:
         if not outcome.failed:
             return True, "serving; canary: %s" % " ".join(str(outcome.result.get("canary_text", "")).split())[:200]
         self.stop_group()
-        tail = [line.strip() for line in outcome.result.get("log_tail") or [] if line.strip()][-5:]
-        return False, outcome.msg + (" | " + " | ".join(tail) if tail else "")
+        lines = evidence_lines(outcome.result.get("log_tail") or [])
+        return False, outcome.msg + (" | " + " | ".join(lines) if lines else "")
 
     def attempt(self, decision: Decision) -> State:
         """One recovery under the run lock, so a site.yml run waits for it (and it for a site.yml run)."""

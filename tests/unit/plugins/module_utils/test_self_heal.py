@@ -142,6 +142,17 @@ def test_record_recovery_success_and_failure() -> None:
     assert len(many.recoveries) == sh.RECOVERIES_KEPT and many.recoveries[-1]["trigger"] == "t12"
 
 
+def test_evidence_quotes_the_first_errors_of_a_traceback_and_the_last_line() -> None:
+    tail = ["INFO loading weights", "Traceback (most recent call last):", '  File "loader.py", line 3, in load',
+            "safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata",
+            "  raise e from None", "Exception: WorkerProc initialization failed", "Exception: WorkerProc initialization failed",
+            "", "INFO [shutdown] all workers exited"]
+    assert sh.evidence_lines(tail) == [
+        "safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata",
+        "Exception: WorkerProc initialization failed", "INFO [shutdown] all workers exited"]
+    assert sh.evidence_lines([]) == [] and sh.evidence_lines(["only line"]) == ["only line"]
+
+
 def test_state_round_trips_through_json_with_its_summary(tmp_path: Path) -> None:
     state = sh.record_recovery(sh.State(attempts=1), "rank 1 exited", 0.0, 95.0, True, "serving")
     path = str(tmp_path / "state.json")
