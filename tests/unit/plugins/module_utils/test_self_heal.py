@@ -145,7 +145,8 @@ def test_record_recovery_success_and_failure() -> None:
 def test_evidence_quotes_the_first_errors_of_a_traceback_and_the_last_line() -> None:
     tail = ["INFO loading weights", "Traceback (most recent call last):", '  File "loader.py", line 3, in load',
             "safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata",
-            "  raise e from None", "Exception: WorkerProc initialization failed", "Exception: WorkerProc initialization failed",
+            "  raise e from None", "Exception: WorkerProc initialization failed",
+            "Exception: WorkerProc initialization failed",
             "", "INFO [shutdown] all workers exited"]
     assert sh.evidence_lines(tail) == [
         "safetensors_rust.SafetensorError: Error while deserializing header: incomplete metadata",
@@ -286,7 +287,8 @@ def test_a_crash_loop_backs_off_then_gives_up_and_leaves_the_group_stopped(clust
         before = len(cluster.commands)
         decision = sup.poll()
         actions.append(decision.action)
-        starts += [cluster.now for _n, verb, name in cluster.commands[before:] if (verb, name) == ("start", "glm53-rank0")]
+        starts += [cluster.now for _n, verb, name in cluster.commands[before:]
+                   if (verb, name) == ("start", "glm53-rank0")]
         if decision.action == sh.ACTION_GIVE_UP:
             break
         if decision.action == sh.ACTION_NONE:
