@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # What `make demo` and `make test` need on a Debian/Ubuntu machine beyond a checkout: the system packages
 # (Docker, debootstrap for the simulated images' base, rsync and ssh for the simulated fabric, python3-venv
-# for the virtualenvs, make, git) and a running dockerd. Run once as root; `make` and `.ci/run` call it.
+# for the virtualenvs, make, git, promtool and shellcheck for `make check`) and a running dockerd.
+# Run once as root; `make` and `.ci/run` call it.
 #   tools/bootstrap-host.sh           install what is missing, start dockerd when none answers (root)
 #   tools/bootstrap-host.sh --check   only say what is missing (exit 1 when something is)
 set -euo pipefail
 
 # package:command that proves it is installed
 packages=(docker.io:dockerd debootstrap:debootstrap rsync:rsync openssh-client:ssh make:make git:git
-          python3-venv:- ca-certificates:- prometheus:promtool)
+          python3-venv:- ca-certificates:- prometheus:promtool shellcheck:shellcheck)
 
 missing=()
 for entry in "${packages[@]}"; do
