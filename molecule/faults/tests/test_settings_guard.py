@@ -70,7 +70,8 @@ class ApiWatch(threading.Thread):
 
 @pytest.fixture(scope="module")
 def serving(sim: Sim) -> None:
-    if all(sim.running(rank) for rank in range(len(NAMES))) and api("/health")[0] == 200:
+    # Serving, and with this session's API key (the vault's key is new in every session).
+    if all(sim.running(rank) for rank in range(len(NAMES))) and api("/v1/models", key=sim.secrets["glm53_api_key"])[0] == 200:
         return
     run = sim.site("guard-serve", timeout=1200)
     assert run.rc == 0, run.evidence()
@@ -159,13 +160,26 @@ def test_every_tag_that_reaches_the_ranks_validates_the_settings_first(sim: Sim,
 # --------------------------------------------------------------------------- values only the hub can refuse
 
 
-def test_a_revision_the_hub_does_not_have_fails_in_the_weights_stage_naming_repo_and_revision(
+def test_a_revision_the_hub_does_not_have_fails_before_any_stage_that_touches_a_node_naming_repo_and_revision(
         sim: Sim, serving: None) -> None:
     run, out = refused(sim, "guard-hub-revision", "-e", "glm53_model_revision=no-such-revision")
     repo = SIM_VARS["glm53_model_repo"]
-    assert ("%s@no-such-revision: the hub has no revision 'no-such-revision' of %s" % (repo, repo)) in out, \
+    assert ("no candidate could provide a complete snapshot: %s@no-such-revision: the hub has no revision "
+            "'no-such-revision' of %s" % (repo, repo)) in out, run.evidence()
+    # Preflight asks the hub for the revision's size (disk check) and fails there; with `--tags weights` (no
+    # preflight node checks) the weights stage's download fails the same way. Either is before the image stage.
+    assert ("TASK [sparkops.glm53.preflight : Read the size of the model revision from the hub" in run.output
+            or "TASK [sparkops.glm53.model_weights : Download the model" in run.output), run.evidence()
+    assert_stopped_before(run, "engine_image")
+
+
+def test_with_tags_weights_the_unknown_revision_fails_in_the_weights_stage(sim: Sim, serving: None) -> None:
+    run, out = refused(sim, "guard-hub-revision-weights", "--tags", "weights", "-e",
+                       "glm53_model_revision=no-such-revision")
+    repo = SIM_VARS["glm53_model_repo"]
+    assert "%s@no-such-revision: the hub has no revision 'no-such-revision' of %s" % (repo, repo) in out, \
         run.evidence()
-    assert "TASK [sparkops.glm53.model_weights : Download the model and draft revisions on the head]" in run.output
+    assert "TASK [sparkops.glm53.model_weights : Download the model" in run.output, run.evidence()
     assert_stopped_before(run, "vllm_ranks")
 
 
