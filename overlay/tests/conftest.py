@@ -24,8 +24,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 @pytest.fixture(scope="session", params=["full", "subset", "extra"])
 def vectors(request: pytest.FixtureRequest) -> VectorSet:
     if request.param == "full":
+        # The exllamav3 kernel vectors are the decoder's proof; a checkout without them must not pass quietly.
         if not FULL_VECTORS.exists():
-            pytest.skip(f"full vectors not found at {FULL_VECTORS}")
+            pytest.fail(f"full vectors not found at {FULL_VECTORS}: clone next to shared/ (../shared/testdata)")
         return load_vectors(FULL_VECTORS)
     return load_vectors(SUBSET_VECTORS if request.param == "subset" else EXTRA_VECTORS)
 

