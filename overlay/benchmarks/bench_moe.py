@@ -20,17 +20,22 @@ from pathlib import Path
 
 import torch
 
-from glm53_overlay.exl3 import gpu_checks, mcg4_moe, runtime
+from glm53_overlay.exl3 import gpu_checks, mcg4_moe, prefill_moe, runtime
 
 SHAPE = gpu_checks.GLM53_FLASH_RANK
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 # Our mcg4 kernels are also timed here above MCG4_MAX_TOKENS, where `apply` no longer uses them.
 MCG4_SHOWN_UP_TO = 128
+# Our prefill path (prefill_moe) from here, at two tile sizes (experts decoded at once).
+PREFILL_SHOWN_FROM = 128
+PREFILL_TILES = (16, 64)
 SETS = 16
 EAGER_REPS = 100
 GRAPH_REPS = 20
 WARMUP = 10
+SLOW_US = 10_000
+SLOW_REPS = 16
 
 
 class Bf16GroupedMoE:
@@ -88,11 +93,31 @@ def coop_chunked(layer: runtime.Exl3CudaExperts, x, ids, w) -> torch.Tensor:
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
+def prefill_decode_only(layer: prefill_moe.PrefillExperts, x, ids, w) -> torch.Tensor:
+    """Only the decode part of our prefill path (same tiles, no GEMM): the decode / GEMM split."""
+    counts = torch.bincount(ids.reshape(-1), minlength=layer.num_experts).tolist()
+    plan = prefill_moe.tiles(counts, layer.tile)
+    touched = torch.tensor([e for group, _s, _n in plan for e in group], dtype=torch.int64, device=x.device)
+    done = 0
+    for group, _start, _rows in plan:
+        for name in ("gate", "up", "down"):
+            layer._decode(name, touched[done : done + len(group)], len(group))
+        done += len(group)
+    return torch.zeros_like(x)
+
+
 def time_eager(fn, sets) -> float:
-    for i in range(WARMUP):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(*sets[0])
+    end.record()
+    end.synchronize()
+    # Paths slower than SLOW_US per call get fewer calls, so the largest prefill sizes fit one device run.
+    slow = start.elapsed_time(end) * 1e3 > SLOW_US
+    for i in range(2 if slow else WARMUP):
         fn(*sets[i % len(sets)])
     times = []
-    for i in range(EAGER_REPS):
+    for i in range(SLOW_REPS if slow else EAGER_REPS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         args = sets[i % len(sets)]
         start.record()
@@ -170,6 +195,11 @@ def main() -> int:
     # engine leaves it off on SM12x, see mcg4_moe.PDL_MAJORS).
     ours_no_pdl = (mcg4_moe.Mcg4Experts(layer.gate, layer.up, layer.down, act_limit=SHAPE.act_limit, pdl=False)
                    if layer.ours is not None else None)
+    prefill_layers = {tile: prefill_moe.PrefillExperts(layer.gate, layer.up, layer.down, codebook=SHAPE.codebook,
+                                                       ext=layer.ext, act_limit=SHAPE.act_limit, tile_experts=tile)
+                      for tile in PREFILL_TILES}
+    print("prefill GEMM:", prefill_layers[PREFILL_TILES[0]].gemm, " scratch MB per tile:",
+          {t: prefill_moe.scratch_bytes(SHAPE.hidden, SHAPE.intermediate, t) / 1e6 for t in PREFILL_TILES})
     rows = []
     for tokens in args.tokens:
         sets = [gpu_checks.random_routing(SHAPE, tokens, gen, "cuda") for _ in range(SETS)]
@@ -187,6 +217,12 @@ def main() -> int:
             paths["ours_pdl_off"] = (ours_no_pdl.apply, True, expert_bytes_exl3)
         if layer.ours is not None and runtime.MCG4_MAX_TOKENS < tokens <= MCG4_SHOWN_UP_TO:
             paths["mcg4_unused"] = (layer.ours.apply, True, expert_bytes_exl3)
+        if tokens >= PREFILL_SHOWN_FROM:
+            for tile, pre in prefill_layers.items():
+                paths[f"ours_prefill_t{tile}"] = (
+                    lambda x, i, w, pre=pre: pre.apply(x.half(), i, w).to(x.dtype), False, expert_bytes_exl3)
+                paths[f"prefill_decode_only_t{tile}"] = (
+                    lambda x, i, w, pre=pre: prefill_decode_only(pre, x, i, w), False, expert_bytes_exl3)
         if tokens <= runtime.COOP_CHUNKED_MAX_TOKENS:
             paths["exl3_moe_coop"] = (lambda x, i, w: coop_chunked(layer, x, i, w), True, expert_bytes_exl3)
         for name, (fn, graphable, per_expert) in paths.items():
@@ -220,11 +256,15 @@ def main() -> int:
         "sms": torch.cuda.get_device_properties(0).multi_processor_count,
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "exllamav3": gpu_checks.exllamav3_version(),
+        "prefill_gemm": prefill_layers[PREFILL_TILES[0]].gemm,
+        "prefill_scratch_bytes": {str(t): prefill_moe.scratch_bytes(SHAPE.hidden, SHAPE.intermediate, t)
+                                  for t in PREFILL_TILES},
         "shapes": {"hidden": SHAPE.hidden, "experts": SHAPE.experts, "top_k": SHAPE.top_k,
                    "intermediate_per_rank": SHAPE.intermediate, "bits": SHAPE.bits, "codebook": SHAPE.codebook,
                    "act_limit": SHAPE.act_limit},
         "copy_bandwidth_GBps": copy_bw / 1e9,
-        "method": f"CUDA events; eager median of {EAGER_REPS} calls after {WARMUP} warm-up; graph: median of "
+        "method": f"CUDA events; eager median of {EAGER_REPS} calls after {WARMUP} warm-up ({SLOW_REPS} after 2 for "
+                  f"paths slower than {SLOW_US} us per call); graph: median of "
                   f"{GRAPH_REPS} replays of {SETS} captured calls / {SETS}; {SETS} rotating routing sets; "
                   "bytes = distinct routed experts x packed (or bf16) expert bytes + bf16 x in/out + routing; "
                   "errors on the first routing set against an fp32 MoE over the reference decoder's exact weights",

@@ -1,5 +1,5 @@
 """CPU stand-ins for the kernel entry points `runtime.Exl3CudaExperts` calls: exllamav3's `exl3_moe_coop`,
-`exl3_moe`, `exl3_moe_max_concurrency`, `exl3_gemm`, `silu_mul`, and ours, `mcg4_moe`. Same signatures and
+`exl3_moe`, `exl3_moe_max_concurrency`, `exl3_gemm`, `silu_mul`, `reconstruct_had_batch`, and ours, `mcg4_moe`. Same signatures and
 argument order as the extensions (exllamav3 1.6.5's exl3_moe.cuh / exl3_gemm.cuh / exl3_moe_coop.cuh, our
 csrc/mcg4_moe.cu); the arithmetic is the exact reference decoder (`reference.dequantize`) in fp32. Tests only.
 
@@ -139,6 +139,13 @@ def exl3_gemm(A, B, C, suh, A_had, svh, force_shape_idx, mcg, mul1, force_num_sm
     return 0
 
 
+def reconstruct_had_batch(unpacked, packed_ptrs, suh_ptrs, svh_ptrs, K, mcg, mul1) -> None:
+    assert unpacked.dtype == torch.float16 and unpacked.is_contiguous() and unpacked.dim() == 3
+    batch, k, n = unpacked.shape
+    for index in range(batch):
+        unpacked[index] = _weights((packed_ptrs, suh_ptrs, svh_ptrs), index, k, n, K, _codebook(mcg, mul1)).half()
+
+
 def silu_mul(x, y, z, act_limit) -> None:
     z.copy_(_act(x.float(), y.float(), act_limit).to(z.dtype))
 
@@ -170,5 +177,6 @@ def mcg4_moe(x, ids, weights, trellis_g, suh_g, svh_g, trellis_u, suh_u, svh_u, 
 
 # What `runtime.load_kernels()` and `mcg4_moe.load_extension()` return, for monkeypatching them.
 EXLLAMAV3 = SimpleNamespace(__name__="exl3_cpu_kernels (CPU stand-ins)", exl3_moe_coop=exl3_moe_coop, exl3_moe=exl3_moe,
-                            exl3_moe_max_concurrency=exl3_moe_max_concurrency, exl3_gemm=exl3_gemm, silu_mul=silu_mul)
+                            exl3_moe_max_concurrency=exl3_moe_max_concurrency, exl3_gemm=exl3_gemm, silu_mul=silu_mul,
+                            reconstruct_had_batch=reconstruct_had_batch)
 MCG4 = SimpleNamespace(__name__="mcg4 (CPU stand-in)", mcg4_moe=mcg4_moe)

@@ -129,6 +129,7 @@ def _dispatching_layer(with_ours: bool) -> runtime.Exl3CudaExperts:
     layer.hidden, layer.top_k = 64, 2
     layer.ours = type("Ours", (), {"apply": _Recorder(64, dtype=None)})() if with_ours else None
     layer.apply_decode, layer.apply_fused = _Recorder(64), _Recorder(64)
+    layer.prefill = None
     return layer
 
 

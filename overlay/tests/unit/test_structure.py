@@ -24,7 +24,7 @@ EXL3_LAYERS = (
     ("moe",),
     ("gpu_checks",),
     ("runtime",),
-    ("mcg4_moe",),
+    ("mcg4_moe", "prefill_moe"),
     ("packing", "writer", "vectors"),
     ("reference",),
     ("codebook", "trellis", "hadamard", "dense"),

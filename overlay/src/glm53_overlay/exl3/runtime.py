@@ -27,6 +27,9 @@ Paths, by token count T:
 - T > FUSED_ROWS (prefill): one host read of the per-expert counts; experts within the fused
   capacity run through `exl3_moe`, heavier ones through per-expert `exl3_gemm` calls. Inside a CUDA
   graph capture, `exl3_moe` on chunks of FUSED_ROWS tokens instead (no host read).
+- Prefill sizes where PREFILL_MEASURED says ours won (4096 tokens and up on the H200): our tiled decode +
+  batched GEMM path (`prefill_moe.py`, one host read, eager only; a graph capture keeps exl3_moe's chunks).
+  Set GLM53_EXL3_MOE_PREFILL=exllamav3 to keep exllamav3's path there too.
 
 Imports only torch at module import; exllamav3's extension is loaded on first use and its
 absence (or a missing kernel) is an error, never a silent fallback.
@@ -42,7 +45,7 @@ from typing import Any
 
 import torch
 
-from glm53_overlay.exl3 import mcg4_moe
+from glm53_overlay.exl3 import mcg4_moe, prefill_moe
 from glm53_overlay.exl3.hadamard import HADAMARD_BLOCK
 from glm53_overlay.exl3.packing import PackedProjection, slice_for_rank
 
@@ -73,6 +76,38 @@ PROJECTIONS = ("gate", "up", "down")
 PATH_OURS = "ours (mcg4)"
 PATH_COOP = "exl3_moe_coop"
 PATH_FUSED = "exl3_moe"
+PATH_PREFILL = "ours (tiled decode + grouped GEMM)"
+PREFILL_KERNEL_ENV = "GLM53_EXL3_MOE_PREFILL"
+PREFILL_KERNELS = ("ours", "exllamav3")
+# Which path won at each measured prefill size (H200, 2026-12-01, one TP=2 rank of GLM-5.3 Flash, tile of 16
+# experts: overlay/benchmarks/results/prefill/bench_moe.json; exl3_moe / ours in us: 2633/13795, 2798/13974,
+# 3670/14007, 5815/14612, 10049/16013, 23006/17866). A token count uses the winner of the largest measured
+# count at or below it; below the smallest, exllamav3.
+PREFILL_MEASURED: tuple[tuple[int, str], ...] = (
+    (128, PATH_FUSED),
+    (256, PATH_FUSED),
+    (512, PATH_FUSED),
+    (1024, PATH_FUSED),
+    (2048, PATH_FUSED),
+    (4096, PATH_PREFILL),
+)
+
+
+def prefill_kernel_choice() -> str:
+    """GLM53_EXL3_MOE_PREFILL: `ours` (default: where PREFILL_MEASURED says it wins) or `exllamav3`."""
+    choice = os.environ.get(PREFILL_KERNEL_ENV, "ours")
+    if choice not in PREFILL_KERNELS:
+        raise ValueError(f"{PREFILL_KERNEL_ENV}={choice!r}: expected one of {', '.join(PREFILL_KERNELS)}")
+    return choice
+
+
+def prefill_wins(tokens: int, measured: tuple[tuple[int, str], ...] = PREFILL_MEASURED) -> bool:
+    """True when our prefill path was measured fastest at the largest measured count <= tokens."""
+    winner = None
+    for count, path in sorted(measured):
+        if count <= tokens:
+            winner = path
+    return winner == PATH_PREFILL
 
 
 def decode_kernel_choice() -> str:
@@ -174,6 +209,14 @@ class Exl3CudaExperts:
         self._decode = _decode_scratch(self.device, self.hidden, self.intermediate, top_k)
         self._fused: dict[str, torch.Tensor] | None = None
         self.ours = self._our_decode_path()
+        self.prefill = self._our_prefill_path()
+
+    def _our_prefill_path(self) -> prefill_moe.PrefillExperts | None:
+        # Older exllamav3 builds lack the batched fused reconstruct: then prefill stays on exl3_moe.
+        if prefill_kernel_choice() != "ours" or not hasattr(self.ext, "reconstruct_had_batch"):
+            return None
+        return prefill_moe.PrefillExperts(self.gate, self.up, self.down, codebook=self.codebook, ext=self.ext,
+                                          act_limit=self.act_limit)
 
     def _our_decode_path(self) -> mcg4_moe.Mcg4Experts | None:
         if decode_kernel_choice() != "ours" or mcg4_moe.unsupported_reason(self.gate, self.up, self.down, self.codebook):
@@ -214,6 +257,9 @@ class Exl3CudaExperts:
                 for i in range(0, tokens, DECODE_MAX_TOKENS)
             ]
             return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        if path == PATH_PREFILL and not (x16.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # Reads the expert counts back once: eager prefill only; a graph capture keeps exl3_moe's chunks.
+            return self.prefill.apply(x16, topk_ids, topk_weights).to(x.dtype)
         return self.apply_fused(x16, topk_ids, topk_weights).to(x.dtype)
 
     def path_for(self, tokens: int) -> str:
@@ -222,6 +268,8 @@ class Exl3CudaExperts:
             return PATH_OURS
         if tokens <= COOP_CHUNKED_MAX_TOKENS:
             return PATH_COOP
+        if self.prefill is not None and prefill_wins(tokens):
+            return PATH_PREFILL
         return PATH_FUSED
 
     def apply_decode(self, x16: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
