@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from bench_moe import copy_bandwidth
+
 TOKENS = (1, 2, 4, 8)
 GRAPH_REPS = 30
 FP8_MAX = 448.0
@@ -192,22 +194,6 @@ def weight_bytes(specs: list[Linear], variant: str, fp8_lm_head: bool = False) -
         if use_fp8:
             total += 4 * spec.count * (spec.out if variant.startswith("fp8_row") else 1)
     return total
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    for _unused in range(3):
-        dst.copy_(src)
-    times = []
-    for _unused in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / statistics.median(times)
 
 
 def check_accuracy(weights: Weights, spec: Linear) -> dict[str, float]:
