@@ -228,7 +228,7 @@ def test_invalid_settings_are_refused_before_anything_happens(sim: Sim) -> None:
     out = " ".join(ranges.output.split())
     assert ranges.rc != 0, ranges.evidence()
     for expected in ("glm53_gpu_memory_utilization must be in (0, 1] (got '1.5')",
-                     "glm53_max_model_len must be > 0 (got '0')",
+                     "glm53_max_model_len must be >= 1 (got '0')",
                      "glm53_tensor_parallel_size (3) x glm53_pipeline_parallel_size (1) must equal"):
         assert expected in out, "%r not in:\n%s" % (expected, ranges.evidence())
     assert "glm53_tensor_parallel_size must be a divisor of the model's 64 attention heads (got '3')" in out, \
@@ -311,7 +311,7 @@ def test_lock_left_by_an_interrupted_run_of_this_controller_is_broken(sim: Sim) 
     run = sim.site("stale-lock", "--tags", "preflight", "-e", "glm53_max_model_len=0", timeout=120)
     out = " ".join(run.output.split())
     assert "Breaking the run lock left on %s by an interrupted run: %s" % (HEAD, holder["owner"]) in out, run.evidence()
-    assert "glm53_max_model_len must be > 0" in out, run.evidence()  # the run went on to its own failure
+    assert "glm53_max_model_len must be >= 1" in out, run.evidence()  # the run went on to its own failure
     assert sim.lock_holder() is None, "the run did not release the lock it took over"
 
 
