@@ -19,7 +19,6 @@ LinearBase, so the setting does not convert it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench_moe import copy_bandwidth
+from bench_moe import copy_bandwidth, parse_args
 
 TOKENS = (1, 2, 4, 8)
 GRAPH_REPS = 30
@@ -75,18 +74,6 @@ def linears() -> list[Linear]:
         Linear("dense_mlp", "down_proj", 4096, 12288 // 2, dense, "row", True),
         Linear("lm_head", "lm_head", 154880 // 2, 4096, 1, "vocab-parallel (154,880 / 2)", False),
     ]
-
-
-def parse_args(default_tokens: tuple[int, ...]) -> argparse.Namespace:
-    """--out (created) and --tokens, as bench_moe.py takes them; bad counts exit before any GPU work."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("results/dense"))
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(default_tokens), help="token counts to time")
-    args = parser.parse_args()
-    if any(t < 1 for t in args.tokens):
-        parser.error(f"--tokens must be positive, got {args.tokens}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    return args
 
 
 class Weights:
@@ -209,7 +196,7 @@ def check_accuracy(weights: Weights, spec: Linear) -> dict[str, float]:
 
 
 def main() -> int:
-    args = parse_args(TOKENS)
+    args = parse_args(TOKENS, Path("results/dense"))
     specs = linears()
     weights = Weights(specs, torch.Generator(device="cuda").manual_seed(7))
     copy_bw = copy_bandwidth()

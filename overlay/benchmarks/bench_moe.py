@@ -170,10 +170,10 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def parse_args(default_tokens: tuple[int, ...]) -> argparse.Namespace:
+def parse_args(default_tokens: tuple[int, ...], default_out: Path = Path("results")) -> argparse.Namespace:
     """--out (created) and --tokens, shared by the benchmarks here; bad counts exit before any GPU work."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--out", type=Path, default=default_out)
     parser.add_argument("--tokens", type=int, nargs="+", default=list(default_tokens), help="token counts to time")
     args = parser.parse_args()
     if any(t < 1 for t in args.tokens):
