@@ -190,6 +190,15 @@ def last_log_line(text: str) -> str:
 # --------------------------------------------------------------------------- API checks
 
 
+def openai_api_options() -> Dict[str, Dict[str, Any]]:
+    """The argument spec of the options in doc fragment sparkops.glm53.openai_api."""
+    return {
+        "url": {"type": "str", "default": "http://127.0.0.1:8888"},
+        "served_model_name": {"type": "str", "required": True},
+        "api_key": {"type": "str", "no_log": True},
+    }
+
+
 def api_headers(api_key: Optional[str]) -> Dict[str, str]:
     headers = {"Accept": "application/json"}
     if api_key:

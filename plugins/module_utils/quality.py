@@ -21,7 +21,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ansible_collections.sparkops.glm53.plugins.module_utils.health import HttpResult
+from ansible_collections.sparkops.glm53.plugins.module_utils.health import HttpResult, api_headers
 
 REFERENCE_FORMAT = "sparkops-glm53-quality-reference"
 REFERENCE_VERSION = 1
@@ -382,9 +382,7 @@ def build_report(cfg: GateConfig, reference: ReferenceSet, verdict: Verdict, sco
 
 def run_gate(cfg: GateConfig, reference: ReferenceSet, io: GateIO) -> GateOutcome:
     start = io.clock()
-    headers = {"Content-Type": "application/json"}
-    if cfg.api_key:
-        headers["Authorization"] = "Bearer " + cfg.api_key
+    headers = dict(api_headers(cfg.api_key), **{"Content-Type": "application/json"})
     scores: List[WindowScore] = []
     for window in reference.windows:
         body = json.dumps(completion_request(window, cfg.served_model_name, reference.top_k)).encode()

@@ -28,18 +28,9 @@ description:
   - Never reports C(changed); it only observes.
 author:
   - sparkops (!UNKNOWN)
+extends_documentation_fragment:
+  - sparkops.glm53.openai_api
 options:
-  url:
-    description: Base URL of the head's OpenAI-compatible API, as seen from the head.
-    type: str
-    default: http://127.0.0.1:8888
-  served_model_name:
-    description: The C(--served-model-name) that C(/v1/models) must list.
-    type: str
-    required: true
-  api_key:
-    description: "Sent as C(Authorization: Bearer ...) when set."
-    type: str
   timeout:
     description: Seconds to wait for the API to become ready (weights and CUDA graphs are slow).
     type: float
@@ -286,6 +277,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.health import (
     HealthIO,
     HealthWaiter,
     Rank,
+    openai_api_options,
     pattern_error,
     progress_file_writer,
     subprocess_runner,
@@ -310,9 +302,7 @@ CANARY_OPTIONS = dict(
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            url=dict(type="str", default="http://127.0.0.1:8888"),
-            served_model_name=dict(type="str", required=True),
-            api_key=dict(type="str", no_log=True),
+            **openai_api_options(),
             timeout=dict(type="float", default=3600),
             poll_interval=dict(type="float", default=5),
             not_running_polls=dict(type="int", default=3),

@@ -25,18 +25,9 @@ description:
     must have been rendered the way the served model is prompted (the set records how).
 author:
   - sparkops (!UNKNOWN)
+extends_documentation_fragment:
+  - sparkops.glm53.openai_api
 options:
-  url:
-    description: Base URL of the head's OpenAI-compatible API, as seen from the head.
-    type: str
-    default: http://127.0.0.1:8888
-  served_model_name:
-    description: The C(--served-model-name) to send as C(model).
-    type: str
-    required: true
-  api_key:
-    description: "Sent as C(Authorization: Bearer ...) when set."
-    type: str
   reference_dir:
     description: Directory holding the set's C(reference.json) and windows file (a downloaded snapshot).
     type: path
@@ -136,7 +127,7 @@ from datetime import datetime, timezone
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.sparkops.glm53.plugins.module_utils.health import urllib_http
+from ansible_collections.sparkops.glm53.plugins.module_utils.health import api_headers, openai_api_options, urllib_http
 from ansible_collections.sparkops.glm53.plugins.module_utils.quality import (
     GateConfig,
     GateIO,
@@ -151,9 +142,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.quality import (
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            url=dict(type="str", default="http://127.0.0.1:8888"),
-            served_model_name=dict(type="str", required=True),
-            api_key=dict(type="str", no_log=True),
+            **openai_api_options(),
             reference_dir=dict(type="path", required=True),
             reference_id=dict(type="str", default=""),
             max_kld=dict(type="float", required=True),
@@ -178,8 +167,7 @@ def main() -> None:
     )
 
     if module.check_mode:
-        headers = {"Authorization": "Bearer " + p["api_key"]} if p["api_key"] else {}
-        models = urllib_http("GET", p["url"].rstrip("/") + "/v1/models", headers, None, 10.0)
+        models = urllib_http("GET", p["url"].rstrip("/") + "/v1/models", api_headers(p["api_key"]), None, 10.0)
         module.exit_json(changed=False, api=models.describe(), would_score={
             "windows": len(reference.windows), "positions": reference.positions, "top_k": reference.top_k})
 
