@@ -1,6 +1,7 @@
-"""The fp8_ds_mla packer against a packing written here from the layout alone: 512 e4m3 bytes (nearest
-value, ties to even, found in a table built from the bit format), 4 little-endian fp32 scales (amax/448
-per 128 values), 64 bf16 rope values (round to nearest even from the fp32 bits)."""
+"""The fp8_ds_mla record stand-in (fp8_ds_mla_layout.py, which test_nope_sm120.py uses in place of vLLM's
+CUDA-only cache write and FlashInfer's decode) against a packing written here from the layout alone: 512
+e4m3 bytes (nearest value, ties to even, found in a table built from the bit format), 4 little-endian fp32
+scales (amax/448 per 128 values), 64 bf16 rope values (round to nearest even from the fp32 bits)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from glm53_overlay.nope.fp8_ds_mla import RECORD_BYTES, pack_fp8_ds_mla, write_nope_records
+from fp8_ds_mla_layout import RECORD_BYTES, pack_fp8_ds_mla, unpack_fp8_ds_mla, write_records
 
 
 def _e4m3_table() -> torch.Tensor:
@@ -85,13 +86,24 @@ def test_nope_record_has_zero_rope_bytes_and_dequantizes(table: torch.Tensor) ->
     assert ((values.view(3, 512) - kv_c.float()).abs().view(3, 4, 128) <= scales.unsqueeze(-1) * 448 / 16).all()
 
 
-def test_write_nope_records_skips_padding_slots() -> None:
+def test_write_records_skips_padding_slots() -> None:
     cache = torch.full((8, 656), 0xAB, dtype=torch.uint8)
-    kv_c = torch.randn(3, 512)
-    write_nope_records(cache, torch.tensor([6, -1, 2]), kv_c)
-    expected = pack_fp8_ds_mla(kv_c[[0, 2]], torch.zeros(2, 64))
+    kv_c, k_pe = torch.randn(3, 512), torch.randn(3, 64)
+    write_records(cache, torch.tensor([6, -1, 2]), kv_c, k_pe)
+    expected = pack_fp8_ds_mla(kv_c[[0, 2]], k_pe[[0, 2]])
     assert torch.equal(cache[6], expected[0]) and torch.equal(cache[2], expected[1])
     assert (cache[[0, 1, 3, 4, 5, 7]] == 0xAB).all()
+
+
+def test_unpack_reads_back_what_the_independent_packing_wrote(table: torch.Tensor) -> None:
+    gen = torch.Generator().manual_seed(5)
+    kv_c, k_pe = torch.randn(2, 512, generator=gen) * 7, torch.randn(2, 64, generator=gen)
+    records = torch.tensor([list(_independent_record(kv_c[t], k_pe[t], table)) for t in range(2)], dtype=torch.uint8)
+    latent, rope = unpack_fp8_ds_mla(records)
+    scales = kv_c.view(2, 4, 128).abs().amax(-1) / 448.0
+    expected = table[records[:, :512].long()].float().view(2, 4, 128) * scales.unsqueeze(-1)
+    torch.testing.assert_close(latent, expected.view(2, 512), rtol=0, atol=0)
+    torch.testing.assert_close(rope, k_pe.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
 def test_pack_refuses_wrong_geometry() -> None:

