@@ -98,16 +98,9 @@ def check_exl3_moe_apply() -> tuple[bool, str]:
     shape = gpu_checks.SELFCHECK_SHAPE
     layer = gpu_checks.make_layer(shape)
     dense = gpu_checks.dense_weights(layer)
-    gen = torch.Generator().manual_seed(1)
-    errs = {}
-    # Decode sizes run our mcg4 kernels (K=4 mcg), 256 tokens exllamav3's exl3_moe: both as the engine runs them.
-    for tokens in (1, 8, 64, 256):
-        x, ids, w = gpu_checks.random_routing(shape, tokens, gen, "cuda")
-        ref = gpu_checks.reference_moe(dense, x.half(), ids, w, shape.act_limit)
-        errs[tokens] = gpu_checks.rel_err(layer.apply(x, ids, w), ref)
-    worst = max(errs.values())
+    errs = gpu_checks.apply_errors(layer, dense, shape, gpu_checks.SELFCHECK_TOKENS, torch.Generator().manual_seed(1))
     detail = ", ".join(f"T={t} ({layer.path_for(t)}): {e:.2e}" for t, e in errs.items())
-    return worst <= gpu_checks.MOE_REL_TOL, f"MoE apply vs reference rel err {detail} (limit {gpu_checks.MOE_REL_TOL})"
+    return gpu_checks.within_tolerance(errs.values()), f"MoE apply vs reference rel err {detail} (limit {gpu_checks.MOE_REL_TOL})"
 
 
 def check_exl3_moe_cuda_graph() -> tuple[bool, str]:
@@ -120,7 +113,7 @@ def check_exl3_moe_cuda_graph() -> tuple[bool, str]:
     layer = gpu_checks.make_layer(shape)
     errs, diffs = gpu_checks.graph_replays(layer, gpu_checks.dense_weights(layer), shape, 1,
                                            torch.Generator().manual_seed(2))
-    ok = max(errs) <= gpu_checks.MOE_REL_TOL and max(diffs) == 0.0
+    ok = gpu_checks.within_tolerance(errs) and all(diff == 0.0 for diff in diffs)
     return ok, f"3 replays at T=1: rel err {max(errs):.2e}, max |replay - eager| {max(diffs):.1e} (must be 0)"
 
 
