@@ -1,6 +1,7 @@
-"""The speculative-decoding glue piece by piece, on CPU: the candidate walk against the addressing of
-vLLM's Triton walk kernel, the proposer and config patches on stand-ins, the draft defaults, the
-post-import hook, and (with vLLM installed) the GLM aux-hidden-state capture and vLLM's own EngineArgs."""
+"""The speculative-decoding glue piece by piece, on CPU: the candidate walk on a hand-made case (against vLLM's
+own Triton walk kernel in test_spec_walk_kernel.py), the proposer and config patches on stand-ins, the draft
+defaults, the post-import hook, and (with vLLM installed) the GLM aux-hidden-state capture and vLLM's own
+EngineArgs."""
 
 from __future__ import annotations
 
@@ -16,30 +17,6 @@ import torch
 
 from glm53_overlay.spec import candidate_walk, draft_defaults, on_import
 from glm53_overlay.spec.candidate_walk import greedy_candidate_walk
-
-
-def _kernel_walk(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """vLLM's `_selector_walk_kernel` at temperature 0, transcribed with its flat pointer arithmetic."""
-    batch, steps, top_k = candidates.shape
-    flat_scores, flat_candidates = scores.reshape(-1), candidates.reshape(-1)
-    tokens = torch.empty(batch, steps, dtype=candidates.dtype)
-    for row in range(batch):
-        previous = 0
-        for step in range(steps):
-            flat = row * steps + step
-            base = (flat * top_k + previous) * top_k
-            index = int(flat_scores[base: base + top_k].argmax())
-            tokens[row, step] = flat_candidates[flat * top_k + index]
-            previous = index
-    return tokens
-
-
-@pytest.mark.parametrize("batch,steps,top_k", [(1, 1, 2), (3, 4, 5), (2, 7, 8)])
-def test_walk_matches_vllm_kernel_addressing(batch: int, steps: int, top_k: int) -> None:
-    gen = torch.Generator().manual_seed(batch * 100 + steps)
-    scores = torch.randn(batch, steps, top_k, top_k, generator=gen)
-    candidates = torch.randint(0, 1000, (batch, steps, top_k), generator=gen)
-    assert torch.equal(greedy_candidate_walk(scores, candidates), _kernel_walk(scores, candidates))
 
 
 def test_walk_follows_the_edge_from_the_previous_pick_not_the_unary_argmax() -> None:
