@@ -11,6 +11,12 @@ The weights are random except for a planted next-token map: the residual stream 
 token's embedding and lm_head maps it to the next word of a long chain drawn from the training text,
 so greedy decoding writes varied English words (and never picks EOS) while attention and the experts
 still nudge some choices, which keeps wrong kernels visible in the output.
+
+One MTP layer follows (`model.layers.{num_hidden_layers}`, GLM's `num_nextn_predict_layers` 1, the names
+vLLM's Glm4MoeLiteMTP loads), drawn last from its own generator so every other tensor is byte-identical
+to a model without it; the target never reads it. It predicts the token after next along the same chain:
+eh_proj passes the next token's normalized embedding through, its block writes at a small gain, and its
+shared head is lm_head, so its drafts are right wherever the target follows the chain.
 """
 from __future__ import annotations
 
@@ -28,7 +34,10 @@ from tokenizers import Tokenizer
 from .corpus import TRAINING_TEXT
 from glm53_overlay.exl3.writer import quantize_checkpoint
 
-from .tiny_glm_config import BLOCK_OUTPUT_GAIN, EXL3_BITS, EXL3_CODEBOOK, LM_HEAD_GAIN, TINY_GLM, hf_config
+from .tiny_glm_config import (
+    BLOCK_OUTPUT_GAIN, EXL3_BITS, EXL3_CODEBOOK, LM_HEAD_GAIN, MTP_BLOCK_GAIN, MTP_SEED_OFFSET, MTP_STATE_GAIN,
+    TINY_GLM, hf_config,
+)
 from .tiny_tokenizer import save_tokenizer, special_token_ids, train_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -101,6 +110,37 @@ def _moe(gen: torch.Generator, prefix: str, shape: dict[str, Any]) -> dict[str, 
     return tensors
 
 
+def _mtp_layer(gen: torch.Generator, shape: dict[str, Any], embed: torch.Tensor,
+               lm_head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The MTP block after the last layer: [enorm(embed(next token)), hnorm(target hidden)] -> eh_proj ->
+    decoder layer (attention + MoE) -> shared_head (norm, head)."""
+    hidden = shape["hidden_size"]
+    prefix = f"model.layers.{shape['num_hidden_layers']}"
+    # The embedding half is the identity: the block's residual carries the next token as the target's does,
+    # so the shared head (lm_head) names its planted successor. The target-state half adds a little noise.
+    eh_proj = torch.cat([torch.eye(hidden), _linear(gen, hidden, hidden, MTP_STATE_GAIN)], dim=1)
+    tensors = {
+        f"{prefix}.enorm.weight": torch.ones(hidden),
+        f"{prefix}.hnorm.weight": torch.ones(hidden),
+        f"{prefix}.eh_proj.weight": eh_proj,
+        f"{prefix}.input_layernorm.weight": torch.ones(hidden),
+        f"{prefix}.post_attention_layernorm.weight": torch.ones(hidden),
+    }
+    block = _attention(gen, f"{prefix}.self_attn", shape) | _moe(gen, f"{prefix}.mlp", shape)
+    # The target's blocks write at BLOCK_OUTPUT_GAIN, enough to leave the chain about 1 step in 10; the MTP
+    # block writes more quietly so its drafts stay on the chain and are accepted wherever the target is.
+    for name, weight in block.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            block[name] = weight * (MTP_BLOCK_GAIN / BLOCK_OUTPUT_GAIN)
+    tensors |= block
+    # Real GLM/DeepSeek checkpoints carry the MTP layer's own copies of the embedding and the head; vLLM shares
+    # the target's at load, but a BF16 load checks that every parameter came from the checkpoint.
+    tensors[f"{prefix}.embed_tokens.weight"] = embed.clone()
+    tensors[f"{prefix}.shared_head.norm.weight"] = torch.ones(hidden)
+    tensors[f"{prefix}.shared_head.head.weight"] = lm_head.clone()
+    return tensors
+
+
 def make_weights(shape: dict[str, Any], successor: dict[int, int], seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     vocab, hidden = shape["vocab_size"], shape["hidden_size"]
@@ -122,6 +162,10 @@ def make_weights(shape: dict[str, Any], successor: dict[int, int], seed: int) ->
     for token, nxt in successor.items():
         lm_head[nxt] += LM_HEAD_GAIN * unit[token]
     tensors["lm_head.weight"] = lm_head
+    if shape.get("num_nextn_predict_layers"):
+        # Its own generator, drawn after everything else: the target's tensors do not depend on the MTP layer.
+        mtp_gen = torch.Generator().manual_seed(seed + MTP_SEED_OFFSET)
+        tensors.update(_mtp_layer(mtp_gen, shape, embed, lm_head))
     # Real GLM checkpoints keep the router bias in fp32 and everything else in bf16.
     return {
         name: t.float().contiguous() if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16).contiguous()

@@ -28,6 +28,8 @@ TINY_GLM: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "rope_theta": 1000000.0,
     "rms_norm_eps": 1e-5,
+    # One MTP layer (model.layers.3) as GLM-5.3 has one: vLLM's `"method": "mtp"` drafts with it.
+    "num_nextn_predict_layers": 1,
 }
 
 # EXL3 like exllamav3 writes GLM MoE checkpoints: 4 bits per weight, mcg codebook, on the routed experts,
@@ -42,6 +44,12 @@ EXL3_CODEBOOK = "mcg"
 BLOCK_OUTPUT_GAIN = 1.5
 # Logit scale of the planted next-token map; about 11 logits of margin at hidden 128.
 LM_HEAD_GAIN = 1.0
+# The MTP layer (make_tiny_glm._mtp_layer): its block writes at MTP_BLOCK_GAIN instead of BLOCK_OUTPUT_GAIN so
+# its drafts follow the chain, and the target-state half of eh_proj is noise of MTP_STATE_GAIN. Its weights come
+# from a generator seeded with seed + MTP_SEED_OFFSET, apart from the target's.
+MTP_BLOCK_GAIN = 0.3
+MTP_STATE_GAIN = 0.1
+MTP_SEED_OFFSET = 0x4D5450
 TORCH_DTYPE = "bfloat16"
 
 
@@ -55,7 +63,6 @@ def hf_config(shape: dict[str, Any], special_ids: dict[str, int]) -> dict[str, A
         "model_type": "glm4_moe_lite",
         **{k: v for k, v in shape.items() if k != "rope_theta"},
         "mlp_layer_types": ["dense"] * dense + ["sparse"] * (layers - dense),
-        "num_nextn_predict_layers": 0,
         "n_group": 1,
         "topk_group": 1,
         "topk_method": "noaux_tc",
