@@ -1,6 +1,6 @@
 """Write a tiny DFlash2 draft (DFlash2DraftModel) for a tiny GLM target made by make_tiny_glm.
 
-    python -m tools.sim_model.make_tiny_dflash TARGET_DIR OUTDIR [--seed N]
+    python -m tools.sim_model.make_tiny_dflash TARGET_DIR OUTDIR [--seed N] [--if-changed]
 
 Run from the repository root. The output is a few MB and byte-identical for a given target and seed:
 config.json in the format vLLM's DFlash2 draft classes load (qwen3 layers + dflash_config with
@@ -30,6 +30,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from . import provenance
+from .make_degenerate import source_digest
 
 WEIGHTS_FILE = "model.safetensors"
 MASK_TOKEN = "[MASK]"
@@ -246,8 +249,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target", type=Path, help="a tiny GLM checkpoint directory (make_tiny_glm)")
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--if-changed", action="store_true",
+                        help="write only when OUTDIR was not made by this code, seed and target")
     args = parser.parse_args(argv)
+    made_by = (f"make_tiny_dflash seed {args.seed} target sha256:{source_digest(args.target)}"
+               f" generator sha256:{provenance.generator_digest()}")
+    if args.if_changed:
+        if provenance.up_to_date(args.outdir, made_by):
+            print(f"{args.outdir} is up to date ({made_by})")
+            return 0
+        if args.outdir.exists():
+            shutil.rmtree(args.outdir)
     path = write_draft(args.target, args.outdir, args.seed)
+    if args.if_changed:
+        provenance.stamp(path, made_by)
     total = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     print(f"wrote {path} ({total} bytes)")
     return 0

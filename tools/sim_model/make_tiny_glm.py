@@ -1,11 +1,13 @@
 """Write a tiny GLM checkpoint (Glm4MoeLiteForCausalLM, NoPE MLA, EXL3 MLPs) made entirely here.
 
-    python -m tools.sim_model.make_tiny_glm OUTDIR [--seed N] [--twin TWIN_DIR | --bf16]
+    python -m tools.sim_model.make_tiny_glm OUTDIR [--seed N] [--twin TWIN_DIR | --bf16 | --if-changed]
 
 Run from the repository root. The output is a few MB and byte-identical for a given seed: config.json,
 generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json, README.md, and for the
 EXL3 checkpoint quantization_config.json. `--twin` also writes the exact BF16 twin (the EXL3 linears
-decoded); `--bf16` writes only the BF16 model the EXL3 one is derived from.
+decoded); `--bf16` writes only the BF16 model the EXL3 one is derived from. `--if-changed` prints "up to
+date" and writes nothing when OUTDIR was made by the same generator code and seed (tools/sim_model/provenance.py),
+else replaces it.
 
 The weights are random except for a planted next-token map: the residual stream carries the current
 token's embedding and lm_head maps it to the next word of a long chain drawn from the training text,
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from . import provenance
 from .corpus import TRAINING_TEXT
 from glm53_overlay.exl3.writer import quantize_checkpoint
 
@@ -227,11 +231,22 @@ def main(argv: list[str] | None = None) -> int:
     variant = parser.add_mutually_exclusive_group()
     variant.add_argument("--twin", type=Path, help="also write the EXL3 model's exact BF16 twin here")
     variant.add_argument("--bf16", action="store_true", help="write the BF16 model instead of the EXL3 one")
+    variant.add_argument("--if-changed", action="store_true",
+                         help="write the EXL3 model only when OUTDIR was not made by this code and seed")
     args = parser.parse_args(argv)
+    made_by = f"make_tiny_glm seed {args.seed} generator sha256:{provenance.generator_digest()}"
+    if args.if_changed:
+        if provenance.up_to_date(args.outdir, made_by):
+            print(f"{args.outdir} is up to date ({made_by})")
+            return 0
+        if args.outdir.exists():
+            shutil.rmtree(args.outdir)
     if args.bf16:
         path = write_bf16_checkpoint(args.outdir, args.seed)
     else:
         path = write_checkpoint(args.outdir, args.seed, twin=args.twin)
+    if args.if_changed:
+        provenance.stamp(path, made_by)
     total = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     print(f"wrote {path} ({total} bytes)")
     return 0
