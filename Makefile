@@ -141,12 +141,14 @@ engine: venv
 	cd overlay && $(BIN)/python -m pytest -q -ra -m slow tests --durations=0
 
 # default on a fresh cluster, left up (--destroy=never) so that faults reuses its images and weights
-# and only pays for the engine starts it needs; faults destroys the cluster at the end.
+# and only pays for the engine starts it needs; faults destroys the cluster at the end. four_nodes then
+# builds four nodes from nothing, serves at tensor parallel 4 and destroys them (no idempotence re-run).
 molecule: venv images
 	molecule destroy -s default
 	molecule test -s default --destroy=never
 	molecule reset -s faults
 	molecule test -s faults
+	molecule test -s four_nodes
 
 clean: demo-down
 	rm -rf build .cache
