@@ -6,6 +6,8 @@ deepseek_v2.py) names the planted successor of the token it is given, whatever t
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,13 +70,22 @@ def test_exl3_quantizes_the_mtp_experts_and_keeps_the_rest(tmp_path: Path) -> No
     assert f"{MTP}eh_proj.weight" in new and new[f"{MTP}eh_proj.weight"].dtype == torch.bfloat16
 
 
-def test_vllm_reads_every_mtp_tensor_as_the_mtp_layer(bf16_model: Path) -> None:
-    from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
-    from transformers import PretrainedConfig
+# vLLM's lookup runs in a child: importing vLLM pulls in torch._dynamo, which fails once ansible (imported by
+# other tests of the same pytest process) has replaced sys.intern.
+_SPEC_LAYERS = """
+import json, sys
+from transformers import PretrainedConfig
+from vllm.model_executor.models.utils import get_spec_layer_idx_from_weight_name
+config = PretrainedConfig(**json.loads(open(sys.argv[1]).read()))
+print(json.dumps({name: get_spec_layer_idx_from_weight_name(config, name) for name in json.loads(sys.argv[2])}))
+"""
 
-    config = PretrainedConfig(**json.loads((bf16_model / "config.json").read_text()))
+
+def test_vllm_reads_every_mtp_tensor_as_the_mtp_layer(bf16_model: Path) -> None:
     names = load_file(str(bf16_model / "model.safetensors"))
-    spec_layers = {name: get_spec_layer_idx_from_weight_name(config, name) for name in names}
+    child = subprocess.run([sys.executable, "-c", _SPEC_LAYERS, str(bf16_model / "config.json"), json.dumps(sorted(names))],
+                           capture_output=True, text=True, check=True)
+    spec_layers = json.loads(child.stdout.strip().splitlines()[-1])
     assert {name for name, layer in spec_layers.items() if layer is not None} == {n for n in names if n.startswith(MTP)}
     assert set(spec_layers.values()) == {None, TINY_GLM["num_hidden_layers"]}
     # The parts Glm4MoeLiteMTP builds outside its decoder block; the block's own names are the target's.
