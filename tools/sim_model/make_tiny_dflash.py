@@ -254,12 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     made_by = (f"make_tiny_dflash seed {args.seed} target sha256:{source_digest(args.target)}"
                f" generator sha256:{provenance.generator_digest()}")
-    if args.if_changed:
-        if provenance.up_to_date(args.outdir, made_by):
-            print(f"{args.outdir} is up to date ({made_by})")
-            return 0
-        if args.outdir.exists():
-            shutil.rmtree(args.outdir)
+    if args.if_changed and provenance.keep_if_up_to_date(args.outdir, made_by):
+        return 0
     path = write_draft(args.target, args.outdir, args.seed)
     if args.if_changed:
         provenance.stamp(path, made_by)

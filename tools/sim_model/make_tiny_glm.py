@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -235,12 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="write the EXL3 model only when OUTDIR was not made by this code and seed")
     args = parser.parse_args(argv)
     made_by = f"make_tiny_glm seed {args.seed} generator sha256:{provenance.generator_digest()}"
-    if args.if_changed:
-        if provenance.up_to_date(args.outdir, made_by):
-            print(f"{args.outdir} is up to date ({made_by})")
-            return 0
-        if args.outdir.exists():
-            shutil.rmtree(args.outdir)
+    if args.if_changed and provenance.keep_if_up_to_date(args.outdir, made_by):
+        return 0
     if args.bf16:
         path = write_bf16_checkpoint(args.outdir, args.seed)
     else:

@@ -6,6 +6,7 @@ current one and prints "up to date" instead of writing when they match (the sim_
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import glm53_overlay.exl3
@@ -35,3 +36,13 @@ def up_to_date(outdir: Path, provenance: str) -> bool:
 def stamp(outdir: Path, provenance: str) -> None:
     with (outdir / "README.md").open("a") as card:
         card.write("\n" + _line(provenance))
+
+
+def keep_if_up_to_date(outdir: Path, provenance: str) -> bool:
+    """True (and says so) when OUTDIR was made by PROVENANCE; else removes it for a clean rewrite."""
+    if up_to_date(outdir, provenance):
+        print(f"{outdir} is up to date ({provenance})")
+        return True
+    if outdir.exists():
+        shutil.rmtree(outdir)
+    return False
