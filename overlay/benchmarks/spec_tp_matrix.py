@@ -39,6 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import offline_vllm
+from offline_vllm import Batch, dflash
+
 REPO = Path(__file__).resolve().parents[2]  # benchmarks -> overlay -> the repository root
 # The lossless test's prompts and length (tests/engine: vllm_runs.PROMPTS plus its own two), so what is
 # measured here is what that test sees; the extra batch checks that the picture holds for other prompts.
@@ -88,30 +91,6 @@ with nope_rotary(), torch.no_grad():
         gaps.append((f32.gather(1, top) - b16.gather(1, top)).abs().max(1).values.tolist())
 print("RESULT " + json.dumps(gaps))
 """
-_RUN = """
-import json, sys, time
-import vllm
-from vllm import LLM, SamplingParams
-if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
-    start = time.monotonic()
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"], max_model_len=512, enforce_eager=True,
-              tensor_parallel_size=spec["tp"], speculative_config=spec["speculative_config"],
-              disable_log_stats=False)
-    started = time.monotonic()
-    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0, logprobs=spec["logprobs"], detokenize=False)
-    batches = {}
-    for name, prompts in spec["batches"].items():
-        batches[name] = [{"tokens": list(r.outputs[0].token_ids),
-                          "top": [{str(t): lp.logprob for t, lp in step.items()} for step in r.outputs[0].logprobs]}
-                         for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    metrics = {m.name: getattr(m, "values", None) or getattr(m, "value", None)
-               for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
-    print("RESULT " + json.dumps({"batches": batches, "metrics": metrics, "vllm": vllm.__version__,
-                                  "startup_s": started - start, "generate_s": time.monotonic() - started}))
-"""
-
-
 @dataclass(frozen=True)
 class PrefixComparison:
     """Two greedy completions of one prompt, compared wherever both runs saw the same prefix."""
@@ -192,22 +171,14 @@ def _models(work: Path) -> dict[str, tuple[Path, Path, int]]:
 
 
 def _run_cell(cell: Cell, target: Path, draft: Path, k: int, log: Path) -> dict[str, Any]:
-    speculative = {"method": "dflash", "model": str(draft), "num_speculative_tokens": k,
-                   "draft_tensor_parallel_size": 1} if cell.spec else None
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("GLM53_", "VLLM_PLUGINS"))}
-    env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    if cell.tp > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(cell.tp))
-    spec = {"model": str(target), "dtype": DTYPES[cell.dtype], "tp": cell.tp, "speculative_config": speculative,
-            "max_tokens": MAX_TOKENS, "logprobs": TOP_LOGPROBS,
-            "batches": {"main": TEST_PROMPTS, "repeat": TEST_PROMPTS, "extra": EXTRA_PROMPTS}}
-    done = subprocess.run([sys.executable, "-c", _RUN, json.dumps(spec)], capture_output=True, text=True, env=env,
-                          timeout=900)
-    log.write_text(done.stdout + done.stderr)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        raise SystemExit(f"{cell.name} failed (exit {done.returncode}); log: {log}")
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    batches = {name: Batch(prompts, MAX_TOKENS)
+               for name, prompts in (("main", TEST_PROMPTS), ("repeat", TEST_PROMPTS), ("extra", EXTRA_PROMPTS))}
+    result, text = offline_vllm.generate(str(target), batches, tp=cell.tp, dtype=DTYPES[cell.dtype],
+                                         speculative=dflash(str(draft), k) if cell.spec else None,
+                                         logprobs=TOP_LOGPROBS)
+    log.write_text(text)
+    if result is None:
+        raise SystemExit(f"{cell.name} failed; log: {log}")
     # The log line that says whether the overlay padded this model's MLA.
     result["nope_path"] = next((line.split("glm53-nope: ", 1)[1] for line in log.read_text().splitlines()
                                 if "glm53-nope: path=" in line), None)
@@ -216,7 +187,7 @@ def _run_cell(cell: Cell, target: Path, draft: Path, k: int, log: Path) -> dict[
 
 def _completions(result: dict[str, Any], batch: str) -> list[tuple[list[int], list[dict[int, float]]]]:
     return [(c["tokens"], [{int(t): lp for t, lp in step.items()} for step in c["top"]])
-            for c in result["batches"][batch]]
+            for c in result["batches"][batch]["completions"]]
 
 
 def _compare(a: dict[str, Any], b: dict[str, Any], batches: tuple[tuple[str, str], ...]) -> list[PrefixComparison]:
@@ -226,7 +197,7 @@ def _compare(a: dict[str, Any], b: dict[str, Any], batches: tuple[tuple[str, str
 
 def _hf_rounding(work: Path, result: dict[str, Any]) -> dict[str, Any]:
     runs = [(list(prompt), c["tokens"]) for batch, prompts in (("main", TEST_PROMPTS), ("extra", EXTRA_PROMPTS))
-            for prompt, c in zip(prompts, result["batches"][batch], strict=True)]
+            for prompt, c in zip(prompts, result["batches"][batch]["completions"], strict=True)]
     done = subprocess.run([sys.executable, "-c", _HF_ROUNDING, str(work / "tiny-glm-nope-twin"), json.dumps(runs)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -290,12 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     cells = {}
     for cell in CELLS:
         result = results[cell.name]
-        metrics = result["metrics"]
         cells[cell.name] = {"nope_path": result["nope_path"], "startup_s": round(result["startup_s"], 1),
                             "generate_s": round(result["generate_s"], 1)}
         if cell.spec:
-            cells[cell.name]["acceptance"] = round(metrics["vllm:spec_decode_num_accepted_tokens"]
-                                                   / metrics["vllm:spec_decode_num_draft_tokens"], 3)
+            counters = [batch["metrics"] for batch in result["batches"].values()]
+            cells[cell.name]["acceptance"] = round(
+                sum(m["vllm:spec_decode_num_accepted_tokens"] for m in counters)
+                / sum(m["vllm:spec_decode_num_draft_tokens"] for m in counters), 3)
     for label, row in matrix.items():
         print(label)
         for column, summary in row.items():
@@ -311,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": {"main": TEST_PROMPTS, "extra": EXTRA_PROMPTS}, "max_tokens": MAX_TOKENS,
         "top_logprobs": TOP_LOGPROBS, "cells": cells, "matrix": matrix, "transformers_bf16_vs_fp32": rounding,
         # Tokens only: the top-k logprobs of every step stay in --work (about 100 kB per cell).
-        "tokens": {name: {batch: [c["tokens"] for c in runs] for batch, runs in result["batches"].items()}
+        "tokens": {name: {batch: [c["tokens"] for c in run["completions"]] for batch, run in result["batches"].items()}
                    for name, result in results.items()},
     }, indent=1) + "\n")
     return 0

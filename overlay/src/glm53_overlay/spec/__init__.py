@@ -3,6 +3,8 @@
 - glm_aux_hidden: EAGLE3 aux hidden states for Glm4MoeLiteForCausalLM (GLM-5.3's class has them).
 - draft_defaults: draft KV dtype `auto` next to an fp8 target; DFlash2 drafts non-causal in a block.
 - candidate_walk: DFlash2's candidate walk on the V1 runner when there is no Triton (CPU simulation).
+- cpu_expand: a working stand-in for the rejection sampler's expand kernel when there is no Triton, where
+  vLLM's own leaves sampled requests' per-token temperatures unwritten.
 
 Everything is patched lazily (registry strings, post-import hooks), so register() stays cheap.
 """
@@ -35,6 +37,7 @@ def install_spec_glue() -> list[str]:
     from glm53_overlay.spec.candidate_walk import (
         allow_candidate_drafts_on_v1, patch_dflash_proposer, patch_logits_processor,
     )
+    from glm53_overlay.spec.cpu_expand import patch_cpu_triton_utils
     from glm53_overlay.spec.draft_defaults import patch_engine_args
     from glm53_overlay.spec.on_import import when_imported
 
@@ -48,4 +51,7 @@ def install_spec_glue() -> list[str]:
         when_imported("vllm.v1.spec_decode.dflash", patch_dflash_proposer)
         when_imported("vllm.model_executor.layers.logits_processor", patch_logits_processor)
         installed.append("dflash2-v1-candidate-walk")
+        # Before the CPU platform registers its kernel stand-ins (worker start, after the plugins load).
+        when_imported("vllm.utils.cpu_triton_utils", patch_cpu_triton_utils)
+        installed.append("cpu-expand-kernel-check")
     return installed
