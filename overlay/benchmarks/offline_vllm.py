@@ -13,7 +13,10 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]  # benchmarks -> overlay -> the repository root
 
 _CHILD = """
 import json, sys, time
@@ -99,3 +102,21 @@ def acceptance(metrics: dict[str, Any]) -> float:
 def dflash(draft: str, k: int) -> dict[str, Any]:
     """vLLM's speculative_config for the DFlash2 draft, as the cluster serves it (the draft unsharded)."""
     return {"method": "dflash", "model": draft, "num_speculative_tokens": k, "draft_tensor_parallel_size": 1}
+
+
+def write_draft(target: Path, draft: Path) -> int:
+    """The tiny DFlash2 draft of `target` (tools/sim_model/make_tiny_dflash.py), unless already written; returns
+    k, the positions its layers can fill (its block minus the bonus token)."""
+    if not (draft / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "tools.sim_model.make_tiny_dflash", str(target), str(draft)], cwd=REPO,
+                       check=True, capture_output=True, timeout=300)
+    return json.loads((draft / "config.json").read_text())["dflash_config"]["block_size"] - 1
+
+
+def write_target_and_draft(root: Path) -> tuple[Path, Path, int]:
+    """The simulated cluster's tiny GLM (tools/sim_model/make_tiny_glm.py) and its DFlash2 draft under root."""
+    target, draft = root / "tiny-glm", root / "tiny-dflash2"
+    if not (target / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "tools.sim_model.make_tiny_glm", str(target)], cwd=REPO, check=True,
+                       capture_output=True, timeout=300)
+    return target, draft, write_draft(target, draft)

@@ -21,28 +21,18 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import offline_vllm
 from offline_vllm import Batch
-from spec_tp_matrix import EXTRA_PROMPTS, REPO, TEST_PROMPTS
+from spec_tp_matrix import EXTRA_PROMPTS, TEST_PROMPTS
 
 PROMPTS = TEST_PROMPTS + EXTRA_PROMPTS
 MAX_TOKENS = 64
 TEMPERATURES = (0.0, 0.6, 1.0)
 MTP_TOKENS = 2
-
-
-def _models(work: Path) -> tuple[Path, Path, int]:
-    target, draft = work / "tiny-glm", work / "tiny-dflash2"
-    if not (draft / "config.json").exists():
-        for command in (["tools.sim_model.make_tiny_glm", str(target)],
-                        ["tools.sim_model.make_tiny_dflash", str(target), str(draft)]):
-            subprocess.run([sys.executable, "-m", *command], cwd=REPO, check=True, capture_output=True, timeout=300)
-    return target, draft, json.loads((draft / "config.json").read_text())["dflash_config"]["block_size"] - 1
 
 
 def rates(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -61,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the results as JSON")
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    target, draft, k = _models(args.work)
+    target, draft, k = offline_vllm.write_target_and_draft(args.work)
     batches = {f"t{t}": Batch(PROMPTS if t == 0 else PROMPTS * 4, MAX_TOKENS, temperature=t) for t in TEMPERATURES}
     methods = {"dflash": offline_vllm.dflash(str(draft), k),
                "mtp": {"method": "mtp", "num_speculative_tokens": MTP_TOKENS}}
@@ -72,14 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         (args.work / f"{method}.log").write_text(log)
         if result is None:
             raise SystemExit(f"{method}: the engine failed; log: {args.work / f'{method}.log'}")
-        version = result["vllm"]
-        results[method] = {"k": speculative["num_speculative_tokens"],
-                           **{name: rates(batch["metrics"]) for name, batch in result["batches"].items()}}
-        for name, facts in results[method].items():
-            if name != "k":
-                print(f"{method} k={results[method]['k']} temperature {name[1:]}: acceptance {facts['acceptance']:.2f}"
-                      f" by position {facts['by_position']}, {facts['tokens_per_step']:.2f} tokens per target step",
-                      flush=True)
+        version, k_method = result["vllm"], speculative["num_speculative_tokens"]
+        by_batch = {name: rates(batch["metrics"]) for name, batch in result["batches"].items()}
+        for name, facts in by_batch.items():
+            print(f"{method} k={k_method} temperature {name[1:]}: acceptance {facts['acceptance']:.2f}"
+                  f" by position {facts['by_position']}, {facts['tokens_per_step']:.2f} tokens per target step",
+                  flush=True)
+        results[method] = {"k": k_method, **by_batch}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": "cd overlay && ../.venv/bin/python " + " ".join(["benchmarks/spec_acceptance.py", *sys.argv[1:]]),

@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import offline_vllm
-from offline_vllm import Batch, dflash
+from offline_vllm import REPO, Batch, dflash, write_draft
 
-REPO = Path(__file__).resolve().parents[2]  # benchmarks -> overlay -> the repository root
 # The lossless test's prompts and length (tests/engine: vllm_runs.PROMPTS plus its own two), so what is
 # measured here is what that test sees; the extra batch checks that the picture holds for other prompts.
 TEST_PROMPTS = (
@@ -162,11 +161,10 @@ def _models(work: Path) -> dict[str, tuple[Path, Path, int]]:
     for name, rope in MODELS.items():
         target, draft = work / f"tiny-glm-{name}", work / f"tiny-dflash2-{name}"
         if not (draft / "config.json").exists():
-            for command in (["-c", _MAKE_TARGET, str(target), str(rope), str(work / f"tiny-glm-{name}-twin")],
-                            ["-m", "tools.sim_model.make_tiny_dflash", str(target), str(draft)]):
-                subprocess.run([sys.executable, *command], cwd=REPO, check=True, capture_output=True, timeout=300)
-        k = json.loads((draft / "config.json").read_text())["dflash_config"]["block_size"] - 1
-        made[name] = (target, draft, k)
+            twin = work / f"tiny-glm-{name}-twin"
+            subprocess.run([sys.executable, "-c", _MAKE_TARGET, str(target), str(rope), str(twin)], cwd=REPO,
+                           check=True, capture_output=True, timeout=300)
+        made[name] = (target, draft, write_draft(target, draft))
     return made
 
 

@@ -19,10 +19,7 @@ Slow (six vLLM start-ups, 3 min 34 s alone on 2 cores): `pytest -m slow`.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +30,6 @@ import pytest
 import offline_vllm
 import vllm_runs
 from spec_tp_matrix import compare_at_equal_prefix
-from vllm_runs import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -83,14 +79,7 @@ def _run(target: Path, *, tp: int = 1, speculative: dict[str, Any] | None = None
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int]:
-    root = tmp_path_factory.mktemp("spec")
-    target, draft = root / "tiny-glm", root / "tiny-dflash2"
-    for command in (["tools.sim_model.make_tiny_glm", str(target)],
-                    ["tools.sim_model.make_tiny_dflash", str(target), str(draft)]):
-        subprocess.run([sys.executable, "-m", *command], cwd=REPO, check=True, capture_output=True, timeout=300)
-    # k = the draft's block minus its bonus token: the positions its layers can fill.
-    k = json.loads((draft / "config.json").read_text())["dflash_config"]["block_size"] - 1
-    return target, draft, k
+    return offline_vllm.write_target_and_draft(tmp_path_factory.mktemp("spec"))
 
 
 @pytest.fixture(scope="module")
