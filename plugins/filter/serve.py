@@ -11,13 +11,19 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.serve_argv import (
     render_serve_argv,
     settings_warnings,
     topology_errors,
-    validate_settings,
 )
+from ansible_collections.sparkops.glm53.plugins.module_utils.settings_rules import serve_settings_errors
+from ansible_collections.sparkops.glm53.plugins.plugin_utils.argument_spec import spec_options
 
 
 def vllm_serve_argv(settings: Mapping[str, Any], rank: int, nnodes: int, master_addr: str,
                     num_attention_heads: int = 64) -> list[str]:
     try:
+        # The settings' own rules first: the renderer checks only the rules between them.
+        errors = serve_settings_errors(settings, spec_options(), num_attention_heads=int(num_attention_heads))
+        errors += topology_errors(settings, rank=int(rank), nnodes=int(nnodes), master_addr=str(master_addr))
+        if errors:
+            raise ValueError("; ".join(errors))
         return render_serve_argv(settings, rank=int(rank), nnodes=int(nnodes), master_addr=str(master_addr),
                                  num_attention_heads=int(num_attention_heads))
     except (TypeError, ValueError) as exc:
@@ -32,7 +38,7 @@ def vllm_settings_check(settings: Mapping[str, Any], gpu: bool = True, num_atten
         on_gpu = as_bool(gpu)
     except ValueError as exc:
         raise AnsibleFilterError(f"vllm_settings_check: gpu: {exc}") from exc
-    errors = validate_settings(settings, num_attention_heads=int(num_attention_heads))
+    errors = serve_settings_errors(settings, spec_options(), num_attention_heads=int(num_attention_heads))
     if nnodes is not None:
         # Rank and master address do not matter here: only the parallel sizes against the node count.
         errors += topology_errors(settings, rank=0, nnodes=int(nnodes), master_addr="head")

@@ -56,9 +56,6 @@ ACTION_NONE = "none"
 ACTION_RECOVER = "recover"
 ACTION_GIVE_UP = "give_up"
 
-# The run lock's holder token of the supervisor: one supervisor per head, so a fixed token lets it (and
-# stop.yml) release a lock it left behind when it was killed mid-recovery.
-LOCK_TOKEN = "glm53-self-heal"
 RECOVERIES_KEPT = 10
 # Unreachable or unknown: the node (its sshd or dockerd) does not answer, so nothing can be restarted there.
 NO_ANSWER_STATES = frozenset({"unreachable", "unknown"})
@@ -66,7 +63,8 @@ NO_ANSWER_STATES = frozenset({"unreachable", "unknown"})
 
 @dataclass(frozen=True)
 class Policy:
-    """The settings ``glm53_self_heal_*`` (seconds unless said otherwise)."""
+    """The settings ``glm53_self_heal_*`` (seconds unless said otherwise). The defaults are what
+    roles/self_heal/tasks/install.yml renders from the argument spec's (test_settings_single_source.py)."""
 
     grace_s: float = 60.0
     poll_s: float = 10.0
@@ -258,6 +256,8 @@ class SupervisorConfig:
     ranks: List[Rank]
     state_path: str
     lock_path: str
+    # The run lock's holder token, roles/self_heal/vars/main.yml's; stop.yml releases a lock left with it.
+    lock_token: str
     owner: str
     policy: Policy = field(default_factory=Policy)
     canary: Canary = field(default_factory=Canary)
@@ -269,9 +269,10 @@ class SupervisorConfig:
         return cls(url=str(data["url"]), served_model_name=str(data["served_model_name"]),
                    ranks=sorted((Rank.from_dict(r) for r in data["ranks"]), key=lambda r: r.rank),
                    state_path=str(data["state_path"]), lock_path=str(data["lock_path"]),
+                   lock_token=str(data["lock_token"]),
                    owner=str(data.get("owner") or "glm53 self-healing supervisor"),
                    policy=Policy.from_dict(data.get("policy") or {}), canary=Canary.from_dict(data.get("canary")),
-                   log_tail=int(data.get("log_tail", 40)))
+                   log_tail=int(data.get("log_tail", cls.log_tail)))
 
 
 def load_state(path: str) -> State:
@@ -320,7 +321,7 @@ class Supervisor:
 
     def lock_holder(self, now: float) -> str:
         state = run_lock.read_state(self.cfg.lock_path, now)
-        if not state.held or (state.holder is not None and state.holder.token == LOCK_TOKEN):
+        if not state.held or (state.holder is not None and state.holder.token == self.cfg.lock_token):
             return ""
         return run_lock.describe_state(state, now)
 
@@ -379,7 +380,7 @@ class Supervisor:
     def attempt(self, decision: Decision) -> State:
         """One recovery under the run lock, so a site.yml run waits for it (and it for a site.yml run)."""
         started = self.wall()
-        holder = run_lock.Holder(token=LOCK_TOKEN, owner=self.cfg.owner, playbook="self-healing recovery",
+        holder = run_lock.Holder(token=self.cfg.lock_token, owner=self.cfg.owner, playbook="self-healing recovery",
                                  since=started)
         acquired, _seen = run_lock.try_acquire(self.cfg.lock_path, holder, started)
         if not acquired:
@@ -390,7 +391,7 @@ class Supervisor:
         try:
             ok, detail = self.recover()
         finally:
-            run_lock.release(self.cfg.lock_path, LOCK_TOKEN, self.wall())
+            run_lock.release(self.cfg.lock_path, self.cfg.lock_token, self.wall())
         ended = self.wall()
         self.log("recovery %s after %.1f s: %s" % ("succeeded" if ok else "FAILED", ended - started, detail))
         return record_recovery(state, decision.trigger, started, ended, ok, detail)
@@ -417,7 +418,7 @@ class Supervisor:
         return Decision(decision.action, new, decision.trigger)
 
     def run(self, polls: Optional[int] = None) -> None:
-        run_lock.break_if_held_by(self.cfg.lock_path, LOCK_TOKEN, self.wall())
+        run_lock.break_if_held_by(self.cfg.lock_path, self.cfg.lock_token, self.wall())
         done = 0
         while polls is None or done < polls:
             decision = self.poll()

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: MIT
-"""The one renderer of the `vllm serve` command line for every rank, and the checks of its settings.
+"""The one renderer of the `vllm serve` command line for every rank, and the rules between its settings.
 
 Settings are the role variables without their `glm53_` prefix; every message names the variable as the
 user wrote it. Values may arrive as strings (`-e glm53_port=8888`), so numbers and booleans are coerced.
+What one setting may hold (type, choice, range) is settings_rules' alone, from the argument spec and its
+RULES table; settings_rules.serve_settings_errors runs those and the rules here together.
 """
 from __future__ import annotations
 
@@ -10,14 +12,13 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-SPEC_METHODS = ("dflash", "mtp", "none")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla")
 # The SM12x sparse-MLA backend only has fp8 kernels; anything else fails when the KV cache is built.
 _GPU_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
 # 8192 crashes the GB10 indexer (its shared-memory top-k path); the recipe's maintainers run 7168 by default
 # at max_num_seqs 4 (its .env: "7168 ... never 8192 (indexer smem)"), so that is the largest value seen working.
 _GPU_MAX_BATCHED_TOKENS = 7168
-# The argument spec's default utilization (roles/glm53/meta/argument_specs.yml; a unit test keeps them equal).
+# The argument spec's default utilization; module_utils cannot read the spec where it runs, so a unit test
+# (test_settings_single_source.py) keeps the two equal.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
 GPUS_PER_NODE = 1
 
@@ -25,11 +26,6 @@ _REQUIRED = (
     "model", "port", "master_port", "kv_cache_dtype", "max_model_len", "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "spec_method",
 )
-_STRINGS = (
-    "model", "served_model_name", "quantization", "kv_cache_dtype", "spec_method", "draft_model",
-    "tool_call_parser", "reasoning_parser", "attention_backend", "dtype", "api_bind",
-)
-_BOOLS = ("enable_prefix_caching", "skip_mm_profiling", "trust_remote_code", "enforce_eager")
 _TRUE = frozenset({"true", "yes", "on", "1"})
 _FALSE = frozenset({"false", "no", "off", "0"})
 
@@ -79,91 +75,72 @@ def _opt_bool(settings: Mapping[str, Any], key: str) -> bool | None:
     return None if value is None or value == "" else as_bool(value)
 
 
-def _spec_on(settings: Mapping[str, Any]) -> bool:
-    return settings.get("spec_method") in ("dflash", "mtp")
-
-
-def _check(errors: list[str], settings: Mapping[str, Any], key: str, convert: Callable[[Any], Any],
-           ok: Callable[[Any], bool] = lambda _: True, need: str = "") -> Any:
-    """Converted value, or None after recording why it is unusable."""
-    if key not in settings or settings[key] is None:
+def _value(settings: Mapping[str, Any], key: str, convert: Callable[[Any], Any]) -> Any:
+    """The converted value, or None when unset or of the wrong type (the setting's own rule reports that)."""
+    value = settings.get(key)
+    if value is None or value == "":
         return None
     try:
-        value = convert(settings[key])
-    except ValueError as exc:
-        errors.append(f"{var(key)}: {exc}")
+        return convert(value)
+    except ValueError:
         return None
-    if not ok(value):
-        errors.append(f"{var(key)} must be {need} (got {settings[key]!r})")
-        return None
-    return value
+
+
+def _extra_args(settings: Mapping[str, Any]) -> list[str]:
+    """glm53_extra_serve_args when it is a list of argv words; anything else is its own rule's error."""
+    extra = settings.get("extra_serve_args")
+    return extra if isinstance(extra, list) and all(isinstance(a, str) for a in extra) else []
 
 
 def validate_settings(settings: Mapping[str, Any], *, num_attention_heads: int = 64) -> list[str]:
-    """Every reason the settings cannot start vLLM, each naming its `glm53_` variable."""
+    """Every reason the settings cannot start vLLM together, each naming its `glm53_` variable: the settings
+    the renderer cannot do without, and the rules between settings. Single values are settings_rules'."""
     errors = [f"{var(k)} is required" for k in _REQUIRED if settings.get(k) in (None, "")]
-    for key in _STRINGS:
-        _check(errors, settings, key, as_str)
-    for key in _BOOLS:
-        if settings.get(key) != "":
-            _check(errors, settings, key, as_bool)
-
-    port = _check(errors, settings, "port", as_int, lambda v: 1 <= v <= 65535, "a port 1..65535")
-    master = _check(errors, settings, "master_port", as_int, lambda v: 1 <= v <= 65535, "a port 1..65535")
-    if port is not None and port == master:
+    port = _value(settings, "port", as_int)
+    if port is not None and port == _value(settings, "master_port", as_int):
         errors.append(f"{var('port')} and {var('master_port')} must differ (both are bound on the head)")
-    _check(errors, settings, "max_model_len", as_int, lambda v: v > 0, "> 0")
-    util = _check(errors, settings, "gpu_memory_utilization", as_float, lambda v: 0 < v <= 1, "in (0, 1]")
-    kv_bytes = _check(errors, settings, "kv_cache_memory_bytes", as_int, lambda v: v >= 0,
-                      ">= 0 (0 lets glm53_gpu_memory_utilization size the KV cache)")
+    util = _value(settings, "gpu_memory_utilization", as_float)
+    kv_bytes = _value(settings, "kv_cache_memory_bytes", as_int)
     if kv_bytes and util is not None and util != DEFAULT_GPU_MEMORY_UTILIZATION:
         # With a KV size vLLM no longer sizes anything from the utilization; it only keeps it as its start-up
         # gate (free >= utilization x total). A changed utilization next to it would limit nothing it seems to.
         errors.append(f"{var('kv_cache_memory_bytes')} ({kv_bytes}) sizes the KV cache, so {var('gpu_memory_utilization')} "
                       f"must stay at its default {DEFAULT_GPU_MEMORY_UTILIZATION} (got {util}): set one of the two")
-    seqs = _check(errors, settings, "max_num_seqs", as_int, lambda v: v >= 1, ">= 1")
-    batched = _check(errors, settings, "max_num_batched_tokens", as_int, lambda v: v >= 1, ">= 1")
+    seqs = _value(settings, "max_num_seqs", as_int)
+    batched = _value(settings, "max_num_batched_tokens", as_int)
     if seqs is not None and batched is not None and batched < seqs:
         errors.append(f"{var('max_num_batched_tokens')} ({batched}) must be >= {var('max_num_seqs')} ({seqs})")
     errors += _long_prefill_errors(settings)
-    _check(errors, settings, "kv_cache_dtype", as_str, lambda v: v in KV_CACHE_DTYPES,
-           "one of " + ", ".join(KV_CACHE_DTYPES))
-    tp = _check(errors, settings, "tensor_parallel_size", as_int,
-                lambda v: v >= 1 and num_attention_heads % v == 0,
-                f"a divisor of the model's {num_attention_heads} attention heads")
-    _check(errors, settings, "pipeline_parallel_size", as_int, lambda v: v >= 1, ">= 1")
+    # 0 means "one per node" to the role, which resolves it before rendering; the renderer needs the size.
+    tp = _value(settings, "tensor_parallel_size", as_int)
+    if tp is not None and (not tp or num_attention_heads % tp):
+        errors.append(f"{var('tensor_parallel_size')} must be a divisor of the model's {num_attention_heads} "
+                      f"attention heads (got {settings['tensor_parallel_size']!r})")
 
-    method = _check(errors, settings, "spec_method", as_str, lambda v: v in SPEC_METHODS,
-                    "one of " + ", ".join(SPEC_METHODS))
+    method = settings.get("spec_method")
     if method in ("dflash", "mtp"):
         tokens = spec_tokens_key(method)
         if settings.get(tokens) in (None, ""):
             errors.append(f"{var(tokens)} is required when {var('spec_method')} is {method}")
-        _check(errors, settings, tokens, as_int, lambda v: v >= 1, ">= 1 when speculative decoding is on")
     if method == "dflash":
         if not settings.get("draft_model"):
             errors.append(f"the draft checkpoint ({var('draft_repo')}) is required when {var('spec_method')} is dflash")
         # vLLM runs the draft either on one rank or sharded like the target, nothing in between.
-        _check(errors, settings, "draft_tensor_parallel_size", as_int,
-               lambda v: v == 1 or v == tp, f"1 or {var('tensor_parallel_size')}")
+        draft_tp = _value(settings, "draft_tensor_parallel_size", as_int)
+        if draft_tp is not None and draft_tp not in (1, tp):
+            errors.append(f"{var('draft_tensor_parallel_size')} must be 1 or {var('tensor_parallel_size')} "
+                          f"(got {settings['draft_tensor_parallel_size']!r})")
 
     if settings.get("dense_quantization") == "fp8":
         # The overlay's exl3 config applies it, on FP8 tensor cores only; elsewhere it would refuse at load.
-        if settings.get("gpu") not in (None, "") and not as_bool(settings["gpu"]):
+        if _value(settings, "gpu", as_bool) is False:
             errors.append(f"{var('dense_quantization')} fp8 needs a GPU with FP8 tensor cores, and {var('gpu')} is "
                           "false (CPU ranks serve BF16): set it to none")
         if settings.get("quantization") != "exl3":
             errors.append(f"{var('dense_quantization')} fp8 works through the exl3 quantization config, and "
                           f"{var('quantization')} is {settings.get('quantization')!r}: set it to none or use exl3")
 
-    limit = settings.get("limit_mm")
-    if limit is not None and not isinstance(limit, Mapping):
-        errors.append(f"{var('limit_mm')} must be a mapping such as {{image: 4, video: 1}} or empty")
-    extra = settings.get("extra_serve_args")
-    if extra is not None and (isinstance(extra, (str, bytes)) or not isinstance(extra, list)
-                              or not all(isinstance(a, str) for a in extra)):
-        errors.append(f"{var('extra_serve_args')} must be a list of strings (one argv word each)")
-    elif settings.get("quantization") == "exl3" and _option_value(extra or [], "--moe-backend") == "marlin":
+    if settings.get("quantization") == "exl3" and _option_value(_extra_args(settings), "--moe-backend") == "marlin":
         # Marlin takes over the routed experts and has no EXL3 kernels: the engine dies loading them.
         errors.append(f"{var('extra_serve_args')}: --moe-backend marlin cannot run EXL3 experts "
                       f"({var('quantization')} is exl3); remove it")
@@ -173,13 +150,12 @@ def validate_settings(settings: Mapping[str, Any], *, num_attention_heads: int =
 def _long_prefill_errors(settings: Mapping[str, Any]) -> list[str]:
     """vLLM refuses a cap above the context length at start-up; an adaptive cap without a cap does nothing."""
     errors: list[str] = []
-    threshold = _check(errors, settings, "long_prefill_token_threshold", as_int, lambda v: v >= 0,
-                       ">= 0 (0 turns the long-prefill cap off)")
-    max_len = _check([], settings, "max_model_len", as_int)  # its own errors are reported above
+    threshold = _value(settings, "long_prefill_token_threshold", as_int)
+    max_len = _value(settings, "max_model_len", as_int)
     if threshold and max_len and threshold > max_len:
         errors.append(f"{var('long_prefill_token_threshold')} ({threshold}) must not exceed "
                       f"{var('max_model_len')} ({max_len})")
-    if _check(errors, settings, "long_prefill_adaptive", as_bool) and not threshold:
+    if _value(settings, "long_prefill_adaptive", as_bool) and not threshold:
         errors.append(f"{var('long_prefill_adaptive')} needs {var('long_prefill_token_threshold')} > 0 "
                       "(it only raises that cap)")
     return errors
@@ -200,18 +176,14 @@ def settings_warnings(settings: Mapping[str, Any], *, gpu: bool = True) -> list[
     if not gpu:
         return []
     warnings: list[str] = []
-    ignored: list[str] = []
-    batched = _check(ignored, settings, "max_num_batched_tokens", as_int)
+    batched = _value(settings, "max_num_batched_tokens", as_int)
     if batched is not None and batched > _GPU_MAX_BATCHED_TOKENS:
         warnings.append(f"{var('max_num_batched_tokens')}={batched} is above {_GPU_MAX_BATCHED_TOKENS}; "
                         "8192 is known to crash the engine on GB10")
     kv = settings.get("kv_cache_dtype")
-    if kv in KV_CACHE_DTYPES and kv not in _GPU_KV_CACHE_DTYPES:
+    if kv and kv not in _GPU_KV_CACHE_DTYPES:
         warnings.append(f"{var('kv_cache_dtype')}={kv}: the SM12x sparse-MLA backend has fp8 kernels only")
-    extra = settings.get("extra_serve_args")
-    forced = [settings.get("attention_backend")]
-    if isinstance(extra, list) and all(isinstance(a, str) for a in extra):
-        forced.append(_option_value(extra, "--attention-backend"))
+    forced = [settings.get("attention_backend"), _option_value(_extra_args(settings), "--attention-backend")]
     if settings.get("spec_method") == "dflash" and "TRITON_ATTN" in forced:
         warnings.append(f"{var('attention_backend')}/{var('extra_serve_args')} force TRITON_ATTN, which the DFlash2 "
                         "draft then uses too: its non-causal block attention is lost and acceptance collapses")
@@ -311,7 +283,7 @@ def topology_errors(settings: Mapping[str, Any], *, rank: int, nnodes: int, mast
         tp = as_int(settings.get("tensor_parallel_size"))
         pp = as_int(settings.get("pipeline_parallel_size", 1))
     except ValueError:
-        return errors  # already reported by validate_settings
+        return errors  # reported by the sizes' own rules
     if tp * pp != nnodes * GPUS_PER_NODE:
         errors.append(f"{var('tensor_parallel_size')} ({tp}) x {var('pipeline_parallel_size')} ({pp}) must equal "
                       f"the number of GPUs, {nnodes} nodes x {GPUS_PER_NODE} GPU per Spark")
@@ -320,7 +292,8 @@ def topology_errors(settings: Mapping[str, Any], *, rank: int, nnodes: int, mast
 
 def render_serve_argv(settings: Mapping[str, Any], *, rank: int, nnodes: int, master_addr: str,
                       num_attention_heads: int = 64) -> list[str]:
-    """argv after the `vllm` executable for node `rank`; raises ValueError listing every bad setting."""
+    """argv after the `vllm` executable for node `rank`; raises ValueError listing every broken rule between
+    settings and every topology error (the settings' own rules are settings_rules.serve_settings_errors')."""
     errors = validate_settings(settings, num_attention_heads=num_attention_heads)
     errors += topology_errors(settings, rank=rank, nnodes=nnodes, master_addr=master_addr)
     if errors:

@@ -1,21 +1,29 @@
 # SPDX-License-Identifier: MIT
 """What every setting may hold beyond its type: ranges, formats and meaning.
 
-Ansible's argument spec (roles/glm53/meta/argument_specs.yml, the source of every setting) checks types and
-choices when the role starts; its schema has no room for ranges or formats, so they live here, in one table
-keyed by setting name. `settings_errors` applies the spec's types and choices and this table to every setting
-on every run, whether or not the feature that uses it is on: a bad value in a disabled feature is still a bad
-value, and it would otherwise surface only the day someone turns the feature on.
-Cross-setting rules of the serve command (dflash needs a draft, ...) stay in serve_argv.validate_settings.
+Ansible's argument spec (roles/glm53/meta/argument_specs.yml, the source of every setting's type, default and
+choices) checks types and choices when the role starts; its schema has no room for ranges or formats, so they
+live here, in one table keyed by setting name, and nowhere else. `settings_errors` applies the spec's types and
+choices and this table to every setting on every run, whether or not the feature that uses it is on: a bad
+value in a disabled feature is still a bad value, and it would otherwise surface only the day someone turns
+the feature on. The rules between settings of the serve command (dflash needs a draft, ...) are
+serve_argv.validate_settings'; `serve_settings_errors` runs both, so no caller gets one without the other.
 """
 from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ansible_collections.sparkops.glm53.plugins.module_utils.serve_argv import as_bool, as_float, as_int, as_str
+from ansible_collections.sparkops.glm53.plugins.module_utils.serve_argv import (
+    as_bool,
+    as_float,
+    as_int,
+    as_str,
+    validate_settings,
+    var,
+)
 
 # A check returns None when the (already type-converted) value is fine, else what is allowed.
 Check = Callable[[Any], "str | None"]
@@ -235,8 +243,14 @@ def _typed(value: Any, kind: str) -> Any:
     return value
 
 
-def settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """Every setting in `settings` that its spec entry or its rule refuses, each message naming it."""
+def _subject(message: str) -> str:
+    return message.split()[0].rstrip(":") if message else ""
+
+
+def settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str, Any]],
+                    also: Sequence[str] = ()) -> list[str]:
+    """Every setting in `settings` that its spec entry or its rule refuses, each message naming it, then the
+    messages in `also` (another check's) minus those about a setting already refused here."""
     errors = []
     for name, value in settings.items():
         entry = spec.get(name)
@@ -254,4 +268,13 @@ def settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str,
         allowed = check(value) if check else None
         if allowed:
             errors.append(f"{name} must be {allowed} (got {settings[name]!r})")
-    return errors
+    refused = {_subject(message) for message in errors}
+    return errors + [message for message in also if _subject(message) not in refused]
+
+
+def serve_settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str, Any]], *,
+                          num_attention_heads: int = 64) -> list[str]:
+    """Every reason the serve settings (keyed without `glm53_`) cannot start vLLM: each setting on its own,
+    then the rules between them."""
+    return settings_errors({var(key): value for key, value in settings.items()}, spec,
+                           also=validate_settings(settings, num_attention_heads=num_attention_heads))

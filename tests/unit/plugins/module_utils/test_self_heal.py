@@ -172,12 +172,14 @@ def test_state_round_trips_through_json_with_its_summary(tmp_path: Path) -> None
 def test_policy_and_config_from_the_json_site_yml_writes() -> None:
     config = sh.SupervisorConfig.from_dict({
         "url": "http://127.0.0.1:8888", "served_model_name": "m", "state_path": "/s", "lock_path": "/l",
+        "lock_token": "glm53-self-heal",
         "ranks": [{"rank": 1, "node": "spark2", "container": "glm53-rank1", "ssh": "root@10.0.0.2"},
                   {"rank": 0, "node": "spark1", "container": "glm53-rank0", "ssh": None}],
         "policy": {"grace_s": "5", "max_attempts": "2", "teardown_s": 3},
         "canary": {"prompt": "hi", "max_tokens": 4}})
     assert [r.rank for r in config.ranks] == [0, 1]
     assert config.policy == sh.Policy(grace_s=5.0, max_attempts=2, teardown_s=3)
+    assert config.lock_token == "glm53-self-heal"
     assert (config.canary.prompt, config.canary.max_tokens) == ("hi", 4)
 
 
@@ -246,7 +248,8 @@ def supervisor(cluster: FakeCluster, tmp_path: Path, **policy: float) -> Tuple[s
     lines: List[str] = []
     config = sh.SupervisorConfig(url="http://127.0.0.1:8888", served_model_name="m", ranks=[HEAD, WORKER],
                                  state_path=str(tmp_path / "self-heal" / "state.json"),
-                                 lock_path=str(tmp_path / "run.lock"), owner="glm53 self-healing on spark1",
+                                 lock_path=str(tmp_path / "run.lock"), lock_token="glm53-self-heal",
+                                 owner="glm53 self-healing on spark1",
                                  policy=sh.Policy(**dict(dict(poll_s=10, ready_timeout_s=60), **policy)))
     io = HealthIO(run=cluster.run, http=cluster.http, clock=cluster.clock, sleep=cluster.sleep)
     return sh.Supervisor(config, io, lines.append, wall=cluster.clock), lines
@@ -269,7 +272,7 @@ def test_a_dead_worker_restarts_the_whole_group_workers_first_under_the_run_lock
     assert decision.action == sh.ACTION_RECOVER
     assert cluster.commands == [("spark1", "stop", "glm53-rank0"), ("spark2", "stop", "glm53-rank1"),
                                 ("spark2", "start", "glm53-rank1"), ("spark1", "start", "glm53-rank0")]
-    assert seen_lock == [sh.LOCK_TOKEN] and not run_lock.read_state(sup.cfg.lock_path, cluster.now).held
+    assert seen_lock == [sup.cfg.lock_token] and not run_lock.read_state(sup.cfg.lock_path, cluster.now).held
     state = sh.load_state(sup.cfg.state_path)
     assert (state.phase, state.attempts) == (sh.PHASE_WATCHING, 1)
     assert state.recoveries[-1]["ok"] and state.recoveries[-1]["detail"] == "serving; canary: Paris."
@@ -325,7 +328,7 @@ def test_a_site_run_holding_the_lock_is_never_raced(cluster: FakeCluster, tmp_pa
 
 def test_a_lock_left_by_a_killed_supervisor_is_taken_back_at_start(cluster: FakeCluster, tmp_path: Path) -> None:
     sup, _lines = supervisor(cluster, tmp_path)
-    run_lock.try_acquire(sup.cfg.lock_path, run_lock.Holder(token=sh.LOCK_TOKEN, owner="x"), cluster.now)
+    run_lock.try_acquire(sup.cfg.lock_path, run_lock.Holder(token=sup.cfg.lock_token, owner="x"), cluster.now)
     sup.run(polls=1)
     assert not run_lock.read_state(sup.cfg.lock_path, cluster.now).held
 
