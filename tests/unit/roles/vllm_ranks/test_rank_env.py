@@ -32,3 +32,10 @@ def test_the_setting_offers_what_the_overlay_accepts():
     option = SPEC["argument_specs"]["main"]["options"]["glm53_dense_quantization"]
     assert tuple(option["choices"]) == ast.literal_eval(_overlay_constant("CHOICES"))
     assert option["default"] == "none"
+
+
+def test_the_inductor_cache_is_on_the_mounted_vllm_cache():
+    container = (REPO / "roles/vllm_ranks/tasks/container.yml").read_text()
+    mount = re.search(r"_glm53_cache_dir ~ '/vllm:(/[^']+)'", container)
+    assert mount, "the rank container no longer mounts ~/.cache/glm53/vllm"
+    assert ENV_COMMON["TORCHINDUCTOR_CACHE_DIR"].startswith(mount.group(1) + "/")
