@@ -8,6 +8,7 @@ vLLM and its plugins may log to stdout before it, so the parser takes the last J
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -169,3 +170,15 @@ def evaluate(rc: int, stdout: str, stderr: str, must_run: Sequence[str] = ()) ->
             return Verdict(False, "overlay selfcheck skipped %s, which must run here: %s" % (name, ran[name].detail),
                            report)
     return Verdict(True, "overlay selfcheck passed (%d checks)" % len(report.checks), report)
+
+
+def record_name(image_id: str, command: Sequence[str], run_args: Sequence[str], env: Mapping[str, Any],
+                must_run: Sequence[str]) -> str:
+    """File name of the record of a passed self-check: one per image ID and way of running it.
+
+    An image's content cannot change under its ID, so a pass recorded for this ID, command, arguments,
+    environment and required checks holds until any of them changes (a rebuild is a new ID). Environment
+    values only enter through the hash, so no secret is written in the name."""
+    what = {"image": image_id, "command": list(command), "run_args": list(run_args),
+            "env": {str(k): str(v) for k, v in sorted(env.items())}, "must_run": sorted(must_run)}
+    return "selfcheck-%s.json" % hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]

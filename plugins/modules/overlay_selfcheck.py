@@ -51,6 +51,15 @@ options:
     type: list
     elements: str
     default: []
+  record_dir:
+    description:
+      - Directory on the target where a passed self-check is recorded, one file per image ID, O(command),
+        O(docker_run_args), O(env) and O(must_run) (environment values enter only through a hash).
+      - When a record for the image's current ID exists, the check is not run again and RV(cached) is true:
+        an image cannot change under its ID, so an unchanged image passes as it passed. Any rebuild is a new
+        ID and is checked. Delete the directory to force a new run.
+      - Omitted, the check runs every time and nothing is recorded. Nothing is written in check mode.
+    type: path
 attributes:
   check_mode:
     description: Can run in check_mode and return changed status prediction without modifying target.
@@ -74,6 +83,11 @@ EXAMPLES = r"""
     env:
       VLLM_TARGET_DEVICE: cpu
   register: glm53_selfcheck
+
+- name: Self-check an image once per image ID, recording the pass on the head
+  sparkops.glm53.overlay_selfcheck:
+    image: "{{ glm53_engine_image }}"
+    record_dir: "{{ ansible_env.HOME }}/.cache/glm53/selfcheck"
 
 - name: Self-check a GPU image on the GPU, requiring its kernel checks
   sparkops.glm53.overlay_selfcheck:
@@ -107,8 +121,16 @@ versions:
   type: dict
   returned: when a report was parsed
   sample: {"vllm": "0.33.0", "glm53_overlay": "0.1.0"}
+cached:
+  description: True when a recorded pass for this image ID was used instead of running the check (O(record_dir)).
+  type: bool
+  returned: always
+record:
+  description: The record file used or written; absent when O(record_dir) is not set or nothing passed.
+  type: str
+  returned: when a record was used or written
 rc:
-  description: Exit status of C(docker run).
+  description: Exit status of C(docker run); 0 when RV(cached) is true.
   type: int
   returned: always
 stderr:
@@ -122,6 +144,9 @@ cmd:
   returned: always
 """
 
+import json
+import os
+
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.sparkops.glm53.plugins.module_utils.health import subprocess_runner
@@ -133,6 +158,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.selfcheck import (
     docker_run_argv,
     evaluate,
     masked_argv,
+    record_name,
 )
 
 
@@ -145,12 +171,29 @@ def main() -> None:
             env=dict(type="dict", default={}, no_log=True),
             timeout=dict(type="float", default=600),
             must_run=dict(type="list", elements="str", default=[]),
+            record_dir=dict(type="path"),
         ),
         supports_check_mode=True,
     )
     p = module.params
     argv = docker_run_argv(p["image"], p["command"], p["docker_run_args"], p["env"])
-    result = {"changed": False, "cmd": masked_argv(argv)}
+    result = {"changed": False, "cached": False, "cmd": masked_argv(argv)}
+
+    record = None
+    if p["record_dir"]:
+        rc, image_id, _err = subprocess_runner(["docker", "image", "inspect", "--format", "{{.Id}}", p["image"]], 60, False)
+        # An image that cannot be inspected is left to the run below, which fails with docker's own words.
+        if rc == 0 and image_id.strip():
+            record = os.path.join(p["record_dir"], record_name(image_id.strip(), p["command"], p["docker_run_args"],
+                                                               p["env"], p["must_run"]))
+            recorded = _read(record)
+            verdict = evaluate(0, recorded, "", p["must_run"]) if recorded else None
+            if verdict is not None and verdict.ok and verdict.report is not None:
+                result.update(cached=True, record=record, rc=0, stderr="", ok=True,
+                              checks=[check.as_dict() for check in verdict.report.checks],
+                              versions=verdict.report.versions)
+                module.exit_json(msg="%s for image %s before; not run again (record %s)"
+                                 % (verdict.msg, image_id.strip()[:19], record), **result)
 
     rc, out, err = subprocess_runner(argv, p["timeout"], False)
     result.update(rc=rc, stderr=err[-OUTPUT_LIMIT:])
@@ -169,7 +212,20 @@ def main() -> None:
         )
     if not verdict.ok:
         module.fail_json(msg=verdict.msg, **result)
+    if record and not module.check_mode and verdict.report is not None:
+        os.makedirs(p["record_dir"], exist_ok=True)
+        with open(record, "w") as handle:
+            json.dump({"ok": True, "checks": result["checks"], "versions": result["versions"]}, handle)
+        result["record"] = record
     module.exit_json(msg=verdict.msg, **result)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError:
+        return ""
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ FAKE_DOCKER = """#!{python}
 # and records its argv so the test can see what the module ran.
 import json, os, sys
 open(os.environ["FAKE_DOCKER_ARGV"], "a").write(json.dumps(sys.argv[1:]) + "\\n")
+if sys.argv[1:3] == ["image", "inspect"]:
+    sys.stdout.write(os.environ.get("FAKE_IMAGE_ID", "sha256:" + "0" * 64) + "\\n")
 if sys.argv[1] == "run":
     sys.stdout.write(os.environ.get("FAKE_SELFCHECK_OUT", ""))
     sys.stderr.write(os.environ.get("FAKE_SELFCHECK_ERR", ""))
@@ -28,14 +30,15 @@ def report(ok: bool = True, **check_oks: bool) -> Dict[str, Any]:
 
 
 def run_selfcheck(run_module: ModuleRunner, tmp_path: Path, args: Dict[str, Any], out: str, rc: int = 0,
-                  err: str = "") -> Dict[str, Any]:
+                  err: str = "", image_id: str = "sha256:" + "a" * 64) -> Dict[str, Any]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     script = bin_dir / "docker"
     script.write_text(FAKE_DOCKER.format(python=sys.executable))
     script.chmod(0o755)
     env = dict(PATH="%s%s%s" % (bin_dir, os.pathsep, os.environ["PATH"]), FAKE_SELFCHECK_OUT=out,
-               FAKE_SELFCHECK_RC=str(rc), FAKE_SELFCHECK_ERR=err, FAKE_DOCKER_ARGV=str(tmp_path / "argv.jsonl"))
+               FAKE_SELFCHECK_RC=str(rc), FAKE_SELFCHECK_ERR=err, FAKE_DOCKER_ARGV=str(tmp_path / "argv.jsonl"),
+               FAKE_IMAGE_ID=image_id)
     return run_module("overlay_selfcheck", args, env=env)
 
 
@@ -58,3 +61,36 @@ def test_fails_naming_the_check(tmp_path: Path, run_module: ModuleRunner) -> Non
 def test_fails_on_non_json(tmp_path: Path, run_module: ModuleRunner) -> None:
     result = run_selfcheck(run_module, tmp_path, {"image": "engine:cpu"}, "", 127, "exec: glm53-overlay: not found")
     assert result["failed"] is True and "not found" in result["msg"] and "checks" not in result
+
+
+def _docker_runs(tmp_path: Path) -> int:
+    return sum(json.loads(line)[0] == "run" for line in (tmp_path / "argv.jsonl").read_text().splitlines())
+
+
+def test_a_passed_image_is_not_checked_again_until_its_id_changes(tmp_path: Path, run_module: ModuleRunner) -> None:
+    args = {"image": "engine:cpu", "record_dir": str(tmp_path / "records"), "env": {"HF_TOKEN": "hf_secret"}}
+    passing = json.dumps(report(exl3=True))
+    first = run_selfcheck(run_module, tmp_path, args, passing)
+    assert not first.get("failed") and first["cached"] is False and Path(first["record"]).is_file()
+    assert "hf_secret" not in Path(first["record"]).name + Path(first["record"]).read_text()
+    # The image would now fail: a record for its unchanged ID answers instead, without a docker run.
+    again = run_selfcheck(run_module, tmp_path, args, json.dumps(report(False, exl3=False)), 1)
+    assert not again.get("failed") and again["cached"] is True and again["checks"] == first["checks"]
+    assert _docker_runs(tmp_path) == 1
+    rebuilt = run_selfcheck(run_module, tmp_path, args, json.dumps(report(False, exl3=False)), 1,
+                            image_id="sha256:" + "b" * 64)
+    assert rebuilt["failed"] is True and rebuilt["cached"] is False and _docker_runs(tmp_path) == 2
+
+
+def test_a_record_is_per_way_of_running_and_never_written_for_a_failure_or_in_check_mode(
+        tmp_path: Path, run_module: ModuleRunner) -> None:
+    records = tmp_path / "records"
+    base = {"image": "engine:cpu", "record_dir": str(records)}
+    failed = run_selfcheck(run_module, tmp_path, base, json.dumps(report(False, exl3=False)), 1)
+    assert failed["failed"] is True and not records.exists()
+    checked = run_selfcheck(run_module, tmp_path, dict(base, _ansible_check_mode=True), json.dumps(report(exl3=True)))
+    assert not checked.get("failed") and not records.exists()
+    run_selfcheck(run_module, tmp_path, base, json.dumps(report(exl3=True)))
+    # A GPU image's required checks are another way of running it: the CPU pass does not stand for it.
+    gpu = run_selfcheck(run_module, tmp_path, dict(base, must_run=["exl3"]), json.dumps(report(exl3=True)))
+    assert gpu["cached"] is False and _docker_runs(tmp_path) == 4 and len(list(records.iterdir())) == 2
