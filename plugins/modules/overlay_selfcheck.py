@@ -55,7 +55,7 @@ options:
     description:
       - Directory on the target where a passed self-check is recorded, one file per image ID, O(command),
         O(docker_run_args), O(env) and O(must_run) (environment values enter only through a hash).
-      - When a record for the image's current ID exists, the check is not run again and RV(cached) is true:
+      - When a record for the image's current ID exists, the check is not run again and RV(cached) is true;
         an image cannot change under its ID, so an unchanged image passes as it passed. Any rebuild is a new
         ID and is checked. Delete the directory to force a new run.
       - Omitted, the check runs every time and nothing is recorded. Nothing is written in check mode.
