@@ -5,6 +5,9 @@ against the exact reference with exllamav3's `reconstruct_had_batch` / `silu_mul
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import exl3_cpu_kernels  # tests/unit: on sys.path through pytest's rootdir-based test module import
 import pytest
 import torch
@@ -13,6 +16,31 @@ from glm53_overlay.exl3 import gpu_checks, prefill_moe, runtime
 from glm53_overlay.exl3.reference import dequantize
 
 SHAPE = gpu_checks.MoeShape(hidden=256, experts=6, top_k=2, intermediate=128)
+# The committed H200 prefill benchmark that runtime.PREFILL_MEASURED is taken from (results/prefill/COMMAND.md).
+PREFILL_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "prefill" / "bench_moe.json"
+
+
+def _committed_winners() -> dict[int, str]:
+    """Per token count of the committed results, the faster of exllamav3's exl3_moe (row `exl3_moe_fused`) and our
+    prefill path at the engine's default tile (row `ours_prefill_t16`), by eager median (our path runs eager only).
+    Read from the JSON here, not from runtime, so a table that disagrees with the measurement fails."""
+    rows = json.loads(PREFILL_RESULTS.read_text())["rows"]
+    eager_us = {(row["path"], row["tokens"]): row["eager_us"] for row in rows}
+    ours = "ours_prefill_t%d" % prefill_moe.DEFAULT_TILE_EXPERTS
+    sizes = sorted({tokens for path, tokens in eager_us if path == ours})
+    assert sizes, "no %s rows in %s" % (ours, PREFILL_RESULTS)
+    return {tokens: runtime.PATH_PREFILL if eager_us[(ours, tokens)] < eager_us[("exl3_moe_fused", tokens)]
+            else runtime.PATH_FUSED for tokens in sizes}
+
+
+def _committed_threshold(winners: dict[int, str]) -> int | None:
+    """The smallest measured count from which our path won at every larger measured count (None: it never did)."""
+    threshold = None
+    for tokens in sorted(winners, reverse=True):
+        if winners[tokens] != runtime.PATH_PREFILL:
+            break
+        threshold = tokens
+    return threshold
 
 
 def test_tiles_group_touched_experts_with_contiguous_rows():
@@ -43,10 +71,10 @@ def test_prefill_wins_uses_the_largest_measured_count_at_or_below():
     assert not runtime.prefill_wins(9000, measured)
 
 
-def test_engine_table_covers_the_measured_sizes():
-    sizes = [count for count, _path in runtime.PREFILL_MEASURED]
-    assert sizes == [128, 256, 512, 1024, 2048, 4096]
-    assert {path for _count, path in runtime.PREFILL_MEASURED} <= {runtime.PATH_FUSED, runtime.PATH_PREFILL}
+def test_engine_table_is_the_committed_measurement():
+    # Every measured size with the winner the committed results show, and nothing else.
+    assert dict(runtime.PREFILL_MEASURED) == _committed_winners()
+    assert len(dict(runtime.PREFILL_MEASURED)) == len(runtime.PREFILL_MEASURED)
 
 
 def _layer(monkeypatch, choice: str) -> runtime.Exl3CudaExperts:
@@ -56,12 +84,36 @@ def _layer(monkeypatch, choice: str) -> runtime.Exl3CudaExperts:
     return gpu_checks.make_layer(SHAPE, device="cpu")
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 130, 600, 5000])
-def test_path_for_picks_ours_only_where_measured_faster(monkeypatch, tokens):
+def _probe_sizes() -> list[int]:
+    sizes = sorted(_committed_winners())
+    return sorted({1, runtime.COOP_CHUNKED_MAX_TOKENS, runtime.COOP_CHUNKED_MAX_TOKENS + 1, 2 * sizes[-1]}
+                  | {tokens + step for tokens in sizes for step in (-1, 0, 1)})
+
+
+def test_path_for_picks_ours_only_where_the_committed_results_say_it_won(monkeypatch):
+    # Expected path from the JSON alone: the winner at the largest measured count <= tokens, exl3_moe below the
+    # smallest; the coop kernels up to COOP_CHUNKED_MAX_TOKENS (our decode kernels are off in _layer).
+    winners = _committed_winners()
     layer = _layer(monkeypatch, "ours")
     assert layer.prefill is not None
-    expected = tokens > runtime.COOP_CHUNKED_MAX_TOKENS and runtime.prefill_wins(tokens)
-    assert (layer.path_for(tokens) == runtime.PATH_PREFILL) == expected
+    for tokens in _probe_sizes():
+        measured_at_or_below = [count for count in winners if count <= tokens]
+        if tokens <= runtime.COOP_CHUNKED_MAX_TOKENS:
+            expected = runtime.PATH_COOP
+        elif measured_at_or_below:
+            expected = winners[max(measured_at_or_below)]
+        else:
+            expected = runtime.PATH_FUSED
+        assert layer.path_for(tokens) == expected, tokens
+
+
+def test_prefill_switch_sits_where_the_committed_results_cross(monkeypatch):
+    # The committed H200 results: exl3_moe wins up to 2048 tokens, ours from 4096 (docs: "from 4096 tokens only").
+    threshold = _committed_threshold(_committed_winners())
+    assert threshold == 4096
+    layer = _layer(monkeypatch, "ours")
+    assert layer.path_for(threshold) == runtime.PATH_PREFILL
+    assert layer.path_for(threshold - 1) == runtime.PATH_FUSED
 
 
 def test_exllamav3_switch_turns_our_prefill_off(monkeypatch):
