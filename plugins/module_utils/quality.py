@@ -9,8 +9,8 @@ HTTP and clock as arguments, so tests drive it without a server.
 
 The KL divergence is computed on what both sides report: the teacher's top-k log-probabilities and the
 served top-k' (full-vocabulary log-softmax values, not renormalised). It is the smallest KL(teacher || served)
-of full-vocabulary distributions consistent with those reports, hence never above the true one, so a
-failed gate is never an artefact of truncation; see ``position_kld``.
+over the partition "teacher top-k + rest" that distributions consistent with those reports allow, hence never
+above the true one, so a failed gate is never an artefact of truncation; see ``position_kld``.
 """
 from __future__ import annotations
 
@@ -164,62 +164,85 @@ def _xlogy_ratio(p: float, log_p: float, log_q: float) -> float:
 
 
 def position_kld(teacher_ids: Sequence[int], teacher_logprobs: Sequence[float], served: ServedPosition) -> float:
-    """KL(teacher || served) in nats for one position, from top-k reports on both sides.
+    """KL(teacher || served) in nats for one position: the smallest value consistent with both top-k reports.
 
-    Both sides' values are full-vocabulary log-probabilities; nothing is renormalised. Renormalising
-    over the shared tokens would compare only the shapes inside the top-k, and a served model that
-    keeps the right order but leaks mass to the rest of the vocabulary (a wrong scale, a broken
-    kernel's flattened logits) would score 0.
+    Both sides' values are full-vocabulary log-probabilities; nothing is renormalised. Renormalising over the
+    shared tokens would compare only the shapes inside the top-k, and a served model that keeps the right
+    order but leaks mass to the rest of the vocabulary (a wrong scale, a broken kernel's flattened logits)
+    would score 0.
 
-    The partition is: each teacher top-k token, plus one bucket for the rest of the vocabulary. For a
-    teacher token the served side lists, its served probability is exact. For one it does not list,
-    the served probability is unknown but at most the smallest listed top-k probability (the cap),
-    and the rest bucket takes what the listed teacher tokens leave. The KL over that partition is a
-    lower bound of the full-vocabulary KL (log-sum inequality); the unknown values are chosen to make
-    it smallest (water-filling: proportional to the teacher's probabilities, clamped at the cap), so
-    the result is the smallest KL consistent with both reports. It is exact when the served list
-    covers the teacher's top-k and the tails agree.
+    The partition is each teacher top-k token, plus one bucket R for the rest of the vocabulary. Over it the
+    teacher is known exactly (R holds 1 - its listed mass). The served side is known for the teacher tokens it
+    lists; for the others (set M) and for R it is constrained by what it reports:
+
+    - each x_i, i in M, is at most the cap c, the smallest probability in the served top-k (an unlisted token
+      ranks below all of them);
+    - R holds every listed served token that is not a teacher token, so q_R >= S, their summed mass;
+    - the x_i and q_R share B = 1 - (served mass of the listed teacher tokens).
+
+    Proof sketch of the bound and its tightness. Merging the tokens of R into one bucket cannot raise a KL
+    divergence (log-sum inequality), so KL over the partition is at most the full-vocabulary KL for every
+    served distribution that matches the reports; we return its minimum over the feasible (x, q_R). The
+    objective sum_i p_i log(p_i / x_i) + p_R log(p_R / q_R) is convex and the constraints are linear, so the KKT
+    conditions are sufficient: with a multiplier lam for the budget, x_i = min(c, p_i / lam) and
+    q_R = max(S, p_R / lam), where lam is the one value at which they sum to B (their sum falls as lam grows,
+    found by bisection). The minimiser is feasible, so the value is attained: no smaller value is consistent
+    with the reports, and none we return exceeds the partition KL of any consistent distribution. With both
+    reports the same distribution, the minimiser is that distribution and the value is 0.
     """
     p = [math.exp(lp) for lp in teacher_logprobs]
     p_rest = max(0.0, 1.0 - math.fsum(p))
-    listed_terms: List[float] = []
-    listed_mass: List[float] = []
+    teacher = set(teacher_ids)
+    terms: List[float] = []
+    listed_teacher_mass: List[float] = []
     missing: List[Tuple[float, float]] = []
     for token, p_t, lp_t in zip(teacher_ids, p, teacher_logprobs):
         if token in served.logprobs:
             lq = served.logprobs[token]
-            listed_terms.append(_xlogy_ratio(p_t, lp_t, lq))
-            listed_mass.append(math.exp(lq))
+            terms.append(_xlogy_ratio(p_t, lp_t, lq))
+            listed_teacher_mass.append(math.exp(lq))
         else:
             missing.append((p_t, lp_t))
-    remaining = max(MASS_FLOOR, 1.0 - math.fsum(listed_mass))
+    others = math.fsum(math.exp(lq) for token, lq in served.logprobs.items() if token not in teacher)
+    budget = max(MASS_FLOOR, 1.0 - math.fsum(listed_teacher_mass))
     top_logprobs = [served.logprobs[t] for t in served.top]
     log_cap = min(top_logprobs) if top_logprobs else 0.0
     cap = math.exp(log_cap)
-
-    missing.sort(reverse=True)
-    clamped = 0
-    while clamped < len(missing):
-        free_mass = remaining - clamped * cap
-        weight = p_rest + math.fsum(p_t for p_t, _lp in missing[clamped:])
-        if free_mass <= 0.0 or weight == 0.0 or missing[clamped][0] * free_mass / weight <= cap:
-            break
-        clamped += 1
-    free_mass = max(MASS_FLOOR, remaining - clamped * cap)
-    weight = p_rest + math.fsum(p_t for p_t, _lp in missing[clamped:])
-    terms = list(listed_terms)
-    for index, (p_t, lp_t) in enumerate(missing):
-        if index < clamped or weight == 0.0:
-            log_x = log_cap
-        else:
-            log_x = min(log_cap, math.log(free_mass) + lp_t - math.log(weight))
+    # Float32 reports may overfill the budget by rounding: the missing tokens keep a sliver of it.
+    rest_floor = min(others, budget * (1.0 - 1e-9))
+    lam = _budget_multiplier([p_t for p_t, _lp in missing], p_rest, cap, rest_floor, budget)
+    for p_t, lp_t in missing:
+        log_x = log_cap if lam == 0.0 or p_t >= lam * cap else lp_t - math.log(lam)
         terms.append(_xlogy_ratio(p_t, lp_t, log_x))
-    # The rest bucket: what is left of the served mass once every teacher token took its share.
-    q_rest = free_mass * p_rest / weight if weight > 0.0 else max(MASS_FLOOR, remaining - len(missing) * cap)
     if p_rest > 0.0:
-        terms.append(p_rest * (math.log(p_rest) - math.log(max(MASS_FLOOR, q_rest))))
+        q_rest = max(rest_floor, p_rest / lam)
+        terms.append(p_rest * (math.log(p_rest) - math.log(q_rest)))
     # Each term can be negative; their sum cannot (it is a KL divergence), up to rounding.
     return max(0.0, math.fsum(terms))
+
+
+def _budget_multiplier(p_missing: Sequence[float], p_rest: float, cap: float, rest_floor: float,
+                       budget: float) -> float:
+    """The lam at which sum_i min(cap, p_i / lam) + max(rest_floor, p_rest / lam) equals the budget; 0 when the
+    teacher has no rest mass and every missing token at its cap leaves budget over (the rest bucket takes it
+    at no cost, so each x_i sits at the cap)."""
+    def filled(lam: float) -> float:
+        return math.fsum(min(cap, p_t / lam) for p_t in p_missing) + max(rest_floor, p_rest / lam)
+
+    if p_rest == 0.0 and len(p_missing) * cap + rest_floor <= budget:
+        return 0.0
+    # filled() falls from above the budget (small lam) to rest_floor < budget (large lam).
+    low, high = 1e-300, 1.0
+    while filled(high) > budget and high < 1e300:
+        high *= 2.0
+    # Bisection in log space: lam spans many orders of magnitude (a token at 1e-9 against one at 0.9).
+    for _step in range(200):
+        mid = math.sqrt(low * high)
+        if filled(mid) > budget:
+            low = mid
+        else:
+            high = mid
+    return high
 
 
 # --------------------------------------------------------------------------- windows and the verdict

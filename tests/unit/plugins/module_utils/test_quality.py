@@ -122,6 +122,86 @@ def test_never_above_the_full_vocabulary_kld_and_exact_when_everything_is_listed
     assert q.position_kld(ids, lps, served(student, vocab)) == pytest.approx(truth, rel=1e-9, abs=1e-12)
 
 
+def test_disjoint_top_k_scores_what_the_served_listed_mass_forces() -> None:
+    # Teacher {a: 0.5, c: 0.4}, served {b: 0.6, d: 0.3}: b and d are in the teacher's rest, so the served side
+    # has at most 0.1 left for a and c. The KL over {a, c, rest} is then at least 0.8 ln 9 = 1.758 nats; a bound
+    # that lets a and c take the served cap each (0.3 + 0.3) says 0.232.
+    a, b, c, d = 0, 1, 2, 3
+    position = q.ServedPosition({b: math.log(0.6), d: math.log(0.3)}, (b, d))
+    kld = q.position_kld([a, c], [math.log(0.5), math.log(0.4)], position)
+    assert kld == pytest.approx(0.8 * math.log(9), rel=1e-9)
+    assert kld >= 1.75
+
+
+def _partition_kld(p: Sequence[float], p_rest: float, x: Sequence[float], q_rest: float) -> float:
+    rest = p_rest * math.log(p_rest / q_rest) if p_rest else 0.0
+    return math.fsum(a * math.log(a / b) for a, b in zip(p, x)) + rest
+
+
+def _brute_force_minimum(ids: Sequence[int], lps: Sequence[float], position: q.ServedPosition) -> float:
+    """The smallest partition KL over a grid of every served distribution the reports allow, written from the
+    constraints alone (no multiplier, no water-filling): one or two teacher tokens missing from the served list."""
+    p = [math.exp(lp) for lp in lps]
+    p_rest = max(0.0, 1.0 - math.fsum(p))
+    known = [(p_t, math.exp(position.logprobs[t])) for t, p_t in zip(ids, p) if t in position.logprobs]
+    missing = [p_t for t, p_t in zip(ids, p) if t not in position.logprobs]
+    others = math.fsum(math.exp(lq) for t, lq in position.logprobs.items() if t not in ids)
+    cap = min(math.exp(position.logprobs[t]) for t in position.top)
+    budget = 1.0 - math.fsum(q_t for _p, q_t in known)
+    fixed = math.fsum(p_t * math.log(p_t / q_t) for p_t, q_t in known)
+    steps = 240
+    grid = [math.exp(math.log(1e-12) * (1 - i / steps)) for i in range(steps + 1)]  # 1e-12 .. 1, log-spaced
+    best = math.inf
+    for share in grid:  # q_rest = others + share of what is above it
+        q_rest = others + share * (budget - others)
+        left = budget - q_rest
+        if len(missing) == 1:
+            candidates = [[left]]
+        else:
+            candidates = [[f * left, (1 - f) * left] for f in grid[1:-1]] + [[f * left, (1 - f) * left] for f in
+                                                                              (1 - g for g in grid[1:-1])]
+        for x in candidates:
+            if all(0 < v <= cap * (1 + 1e-12) for v in x) and (q_rest > 0 or p_rest == 0):
+                best = min(best, fixed + _partition_kld(missing, p_rest, x, max(q_rest, 1e-300)))
+    return best
+
+
+def _adversarial_cases() -> List[Tuple[str, List[int], List[float], q.ServedPosition]]:
+    cases = []
+    # Partially overlapping: the teacher's second and third tokens are not in the served top-3.
+    teacher = log_softmax([4.0, 3.0, 2.5, 0.0, -1.0, -1.0, -2.0, -3.0])
+    student = log_softmax([4.0, -3.0, -3.5, 3.5, 3.0, -1.0, -2.0, -3.0])
+    cases.append(("partial", *topk(teacher, 3), served(student, 3)))
+    # Flat teacher, peaked student elsewhere.
+    teacher = log_softmax([0.1 * i for i in range(12)])
+    student = log_softmax([6.0 if i == 0 else 0.0 for i in range(12)])
+    cases.append(("flat-vs-peaked", *topk(teacher, 2), served(student, 3)))
+    # Peaked teacher, the student lists its top token and one other.
+    teacher = log_softmax([7.0, 1.0, 0.5] + [0.0] * 9)
+    student = log_softmax([1.0, 5.0, 4.0] + [0.0] * 9)
+    cases.append(("peaked", *topk(teacher, 2), served(student, 2)))
+    rng = random.Random(7)
+    for seed in range(8):
+        teacher = log_softmax([rng.gauss(0, 2.0) for _ in range(10)])
+        student = log_softmax([rng.gauss(0, 2.0) for _ in range(10)])
+        k_served = rng.choice([2, 3, 4])
+        ids, lps = topk(teacher, rng.choice([2, 3]))
+        position = served(student, k_served)
+        if 1 <= sum(t not in position.logprobs for t in ids) <= 2:
+            cases.append(("random-%d" % seed, ids, lps, position))
+    return cases
+
+
+@pytest.mark.parametrize("case", _adversarial_cases(), ids=lambda case: case[0])
+def test_the_bound_is_the_minimum_over_what_both_reports_allow(case) -> None:
+    _name, ids, lps, position = case
+    kld = q.position_kld(ids, lps, position)
+    brute = _brute_force_minimum(ids, lps, position)
+    # Never above the exact minimum (the grid only finds values at or above it), and the grid comes close to it.
+    assert kld <= brute + 1e-9
+    assert brute - kld <= 0.02 + 0.01 * kld, (kld, brute)
+
+
 def test_the_prompt_token_listed_beyond_the_top_k_does_not_lower_the_cap() -> None:
     logprobs = log_softmax([4.0, 3.0, 2.0, 1.0, 0.0, -6.0, -7.0])
     position = served(logprobs, k=3, prompt_token=6)
