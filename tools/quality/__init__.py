@@ -3,4 +3,5 @@
 Run from the repository root:
 
     python -m tools.quality.make_reference MODEL_DIR OUTDIR [--prompts FILE] [--top-k 20]
+    python -m tools.quality.make_reference MODEL_DIR OUTDIR --hidden-states DIR --head FILE   # hidden_teacher.py
 """
