@@ -158,8 +158,9 @@ def _brute_force_minimum(ids: Sequence[int], lps: Sequence[float], position: q.S
         if len(missing) == 1:
             candidates = [[left]]
         else:
-            candidates = [[f * left, (1 - f) * left] for f in grid[1:-1]] + [[f * left, (1 - f) * left] for f in
-                                                                              (1 - g for g in grid[1:-1])]
+            # Splits near either end, log-spaced: f and 1 - f for every grid value.
+            splits = grid[1:-1] + [1 - g for g in grid[1:-1]]
+            candidates = [[f * left, (1 - f) * left] for f in splits]
         for x in candidates:
             if all(0 < v <= cap * (1 + 1e-12) for v in x) and (q_rest > 0 or p_rest == 0):
                 best = min(best, fixed + _partition_kld(missing, p_rest, x, max(q_rest, 1e-300)))
@@ -182,8 +183,8 @@ def _adversarial_cases() -> List[Tuple[str, List[int], List[float], q.ServedPosi
     cases.append(("peaked", *topk(teacher, 2), served(student, 2)))
     rng = random.Random(7)
     for seed in range(8):
-        teacher = log_softmax([rng.gauss(0, 2.0) for _ in range(10)])
-        student = log_softmax([rng.gauss(0, 2.0) for _ in range(10)])
+        teacher = log_softmax([rng.gauss(0, 2.0) for _token in range(10)])
+        student = log_softmax([rng.gauss(0, 2.0) for _token in range(10)])
         k_served = rng.choice([2, 3, 4])
         ids, lps = topk(teacher, rng.choice([2, 3]))
         position = served(student, k_served)
