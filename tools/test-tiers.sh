@@ -14,14 +14,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 logs=.cache/tiers
 mkdir -p "$logs"
-rm -f "$logs"/*.log
+rm -f "$logs"/*.log "$logs"/*.ended
 declare -a summary=()
 failed=()
 
 now() { date +%s; }
-record() {  # NAME STARTED RC
-  local took=$(( $(now) - $2 ))
-  summary+=("$(printf '%-18s %3dm%02ds  %s' "$1" $((took / 60)) $((took % 60)) "$([ "$3" = 0 ] && echo ok || echo "FAILED (rc $3)")")")
+record() {  # NAME STARTED RC [ENDED]
+  local took=$(( ${4:-$(now)} - $2 ))
+  summary+=("$(printf '%-20s %3dm%02ds  %s' "$1" $((took / 60)) $((took % 60)) "$([ "$3" = 0 ] && echo ok || echo "FAILED (rc $3)")")")
   [ "$3" = 0 ] || failed+=("$1")
 }
 # Run `make TARGET` in the foreground.
@@ -40,7 +40,8 @@ bg_tier() {
   local name=$1
   echo "==> [tiers] $name (in the background, log $logs/$name.log)"
   bg_started[$name]=$(now)
-  make --no-print-directory "$name" >"$logs/$name.log" 2>&1 &
+  # The tier's own end time, not the time it was waited for.
+  { make --no-print-directory "$name" >"$logs/$name.log" 2>&1; rc=$?; now >"$logs/$name.ended"; exit "$rc"; } &
   bg_pid[$name]=$!
 }
 bg_wait() {
@@ -49,7 +50,7 @@ bg_wait() {
   rc=$?
   echo "==> [tiers] $name ended (rc $rc); its log:"
   cat "$logs/$name.log"
-  record "$name" "${bg_started[$name]}" "$rc"
+  record "$name" "${bg_started[$name]}" "$rc" "$(cat "$logs/$name.ended" 2>/dev/null || now)"
   return "$rc"
 }
 report() {
@@ -57,7 +58,7 @@ report() {
   echo "==> [tiers] time per tier (overlapping tiers ran side by side)"
   printf '  %s\n' "${summary[@]}"
   local total=$(( $(now) - t0 ))
-  printf '  %-18s %3dm%02ds\n' "make test" $((total / 60)) $((total % 60))
+  printf '  %-20s %3dm%02ds\n' "make test" $((total / 60)) $((total % 60))
   if [ ${#failed[@]} -gt 0 ]; then
     echo "==> [tiers] failed: ${failed[*]}"
     exit 2
