@@ -1,12 +1,17 @@
 #!/bin/sh
-# PID 1 of a simulated Spark: authorize the controller's key, then run sshd and dockerd.
+# PID 1 of a simulated Spark: authorize the controller's key (for the owner, spark, and for root), then run
+# sshd and dockerd.
 set -eu
 # Added, not overwritten: a restart of this node is its reboot, and a reboot keeps the keys others
 # authorized (the head's, which preflight adds for its ssh to the workers).
 if [ -n "${SIM_AUTHORIZED_KEY:-}" ]; then
-  touch /root/.ssh/authorized_keys
-  grep -qxF "$SIM_AUTHORIZED_KEY" /root/.ssh/authorized_keys || printf '%s\n' "$SIM_AUTHORIZED_KEY" >> /root/.ssh/authorized_keys
-  chmod 600 /root/.ssh/authorized_keys
+  for home in /root /home/spark; do
+    touch "$home/.ssh/authorized_keys"
+    grep -qxF "$SIM_AUTHORIZED_KEY" "$home/.ssh/authorized_keys" \
+      || printf '%s\n' "$SIM_AUTHORIZED_KEY" >> "$home/.ssh/authorized_keys"
+    chmod 600 "$home/.ssh/authorized_keys"
+  done
+  chown spark:spark /home/spark/.ssh/authorized_keys
 fi
 ssh-keygen -A >/dev/null
 if [ -n "${SIM_INSECURE_REGISTRY:-}" ]; then

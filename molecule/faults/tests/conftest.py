@@ -4,8 +4,8 @@
 Every run of site.yml/stop.yml goes through `Sim.start()`/`Sim.site()`: the same command line a user types
 (inventory/sim, the API key, HF token and registry password from an ansible-vault file made for this
 session), its output kept under .cache/faults-logs/TIME/ as evidence and scanned for secrets at the end. Nodes
-are reached with `docker exec glm53-sim-nodeN` (the controller made them), rank containers inside them
-with the node's own docker.
+are reached with `docker exec --user spark glm53-sim-nodeN` (the controller made them; root only where a test
+needs it), rank containers inside them with the node's own docker.
 """
 from __future__ import annotations
 
@@ -34,8 +34,13 @@ PORT = 8888
 STOP_TIMEOUT = int(SIM_VARS["glm53_stop_timeout"])
 NODE = "glm53-sim-node{}"
 RANK = "glm53-rank{}"
-HF_CACHE = "/root/.cache/huggingface"
-LOCK = "/root/.cache/glm53/run.lock"
+# The owner's account the playbooks log in as (a DGX OS Spark's; docker/sim/node.Dockerfile): tests act on the
+# nodes as that user too, and as root only where a test breaks something only root can.
+USER = SIM_VARS["ansible_user"]
+HOME = "/root" if USER == "root" else "/home/" + USER
+HF_CACHE = HOME + "/.cache/huggingface"
+CACHE = HOME + "/.cache/glm53"
+LOCK = CACHE + "/run.lock"
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 1.0, what: str = "") -> Any:
@@ -141,14 +146,15 @@ class Sim:
         return self.start(name, "site.yml", *args, **kw).wait(timeout)
 
     # -- the nodes
-    def node(self, rank: int, *argv: str, check: bool = False, timeout: float = 60) -> subprocess.CompletedProcess:
-        proc = subprocess.run(["docker", "exec", NODE.format(rank), *argv], capture_output=True, text=True,
-                              timeout=timeout, check=False)
+    def node(self, rank: int, *argv: str, check: bool = False, timeout: float = 60,
+             user: str = USER) -> subprocess.CompletedProcess:
+        proc = subprocess.run(["docker", "exec", "--user", user, NODE.format(rank), *argv], capture_output=True,
+                              text=True, timeout=timeout, check=False)
         if check and proc.returncode != 0:
             raise AssertionError("%s on node %d failed (%d): %s" % (argv, rank, proc.returncode, proc.stderr))
         return proc
 
-    def sh(self, rank: int, script: str, **kw: Any) -> subprocess.CompletedProcess:
+    def sh(self, rank: int, script: str, **kw: Any) -> subprocess.CompletedProcess:  # same keywords as node()
         return self.node(rank, "sh", "-c", script, **kw)
 
     def container(self, rank: int, name: Optional[str] = None) -> Optional[Dict[str, Any]]:

@@ -38,11 +38,11 @@ def test_fabric_check_reports_every_node_and_rail_and_skips_nccl_without_gpus(si
 
 def test_a_mismatched_mtu_is_reported_with_the_node_and_interface(sim: Sim) -> None:
     usual = mtu(sim, 1)
-    sim.node(1, "ip", "link", "set", "dev", "eth0", "mtu", str(usual - 100), check=True)
+    sim.node(1, "ip", "link", "set", "dev", "eth0", "mtu", str(usual - 100), check=True, user="root")
     try:
         run = sim.start("fabric-check-mtu", PLAYBOOK).wait(300)
     finally:
-        sim.node(1, "ip", "link", "set", "dev", "eth0", "mtu", str(usual), check=True)
+        sim.node(1, "ip", "link", "set", "dev", "eth0", "mtu", str(usual), check=True, user="root")
     assert mtu(sim, 1) == usual
     out = flat(run.output)
     assert run.rc != 0, run.evidence()

@@ -15,7 +15,7 @@ import time
 
 import yaml
 
-from conftest import (HF_CACHE, HEAD_IP, HOSTS, LOCK, NAMES, PORT, RANK, REPO, SIM_VARS, STOP_TIMEOUT, Sim, api,
+from conftest import (HF_CACHE, HEAD_IP, HOSTS, LOCK, NAMES, PORT, RANK, REPO, SIM_VARS, STOP_TIMEOUT, USER, Sim, api,
                       port_open, recap, wait_until)
 
 HEAD, WORKER = NAMES[0], NAMES[1]
@@ -100,8 +100,8 @@ def test_damaged_worker_copy_is_detected_from_sizes_and_repaired(sim: Sim) -> No
     # An rsync killed mid-file: the worker's weights blob is re-sent slowly and the transfer interrupted.
     blob, _size, expected = worker_file(sim, "model.safetensors")
     sim.node(1, "rm", "-f", blob, check=True)
-    sim.sh(0, "rsync -a --partial --bwlimit=100 -e 'ssh -o BatchMode=yes' %s/ root@%s:%s/ >/dev/null 2>&1 & "
-              "echo $! > /tmp/faults-rsync.pid" % (MODEL_REPO_DIR, WORKER_IP, MODEL_REPO_DIR), check=True)
+    sim.sh(0, "rsync -a --partial --bwlimit=100 -e 'ssh -o BatchMode=yes' %s/ %s@%s:%s/ >/dev/null 2>&1 & "
+              "echo $! > /tmp/faults-rsync.pid" % (MODEL_REPO_DIR, USER, WORKER_IP, MODEL_REPO_DIR), check=True)
     wait_until(lambda: sim.sh(1, "find %s/blobs -name '.*' -size +64k | grep -q ." % MODEL_REPO_DIR).returncode == 0,
                60, 0.2, "rsync to be mid-file")
     sim.sh(0, "kill -TERM $(cat /tmp/faults-rsync.pid)", check=True)
@@ -238,37 +238,37 @@ def test_invalid_settings_are_refused_before_anything_happens(sim: Sim) -> None:
 
 
 def test_node_problems_are_all_reported_before_anything_happens(sim: Sim, tmp_path) -> None:
-    # Head: a stranger on the API port and a 1 MiB disk for the cache. Worker: a non-root SSH user whose
-    # cache is root-owned and whom sshd refuses to let the head in, even after preflight authorizes its key.
+    # Head: a stranger on the API port and a 1 MiB disk for the cache. Worker: a second non-root account (not the
+    # owner's) whose cache is root-owned and whom sshd refuses to let the head in, even after preflight authorizes
+    # its key. The setup needs root.
     setup = [
         (0, "python3 -m http.server 8899 --bind 0.0.0.0 >/dev/null 2>&1 & echo $! > /tmp/faults-stranger.pid"),
         (0, "mkdir -p /mnt/tiny && mount -t tmpfs -o size=1m tmpfs /mnt/tiny"),
-        (1, "useradd -m -s /bin/bash spark && groupadd -f docker && usermod -aG docker spark"
-            " && chgrp docker /var/run/docker.sock && chmod 660 /var/run/docker.sock"
-            " && install -d -o spark -m 700 /home/spark/.ssh && cp /root/.ssh/authorized_keys /home/spark/.ssh/"
-            " && chown spark /home/spark/.ssh/authorized_keys && install -d -o root -m 755 /home/spark/.cache/huggingface"
+        (1, "useradd -m -s /bin/bash -G docker guest"
+            " && install -d -o guest -m 700 /home/guest/.ssh && cp /home/%s/.ssh/authorized_keys /home/guest/.ssh/"
+            " && chown guest /home/guest/.ssh/authorized_keys && install -d -o root -m 755 /home/guest/.cache/huggingface"
             " && cp /etc/ssh/sshd_config /tmp/sshd_config.faults"
-            " && echo 'DenyUsers spark@%s' >> /etc/ssh/sshd_config && kill -HUP $(cat /var/run/sshd.pid)" % HEAD_IP),
+            " && echo 'DenyUsers guest@%s' >> /etc/ssh/sshd_config && kill -HUP $(cat /var/run/sshd.pid)" % (USER, HEAD_IP)),
     ]
     cleanup = [
         (0, "[ -f /tmp/faults-stranger.pid ] && kill $(cat /tmp/faults-stranger.pid); rm -f /tmp/faults-stranger.pid;"
             " mountpoint -q /mnt/tiny && umount /mnt/tiny; true"),
         (1, "[ -f /tmp/sshd_config.faults ] && mv /tmp/sshd_config.faults /etc/ssh/sshd_config"
-            " && kill -HUP $(cat /var/run/sshd.pid); id spark >/dev/null 2>&1 && userdel -f -r spark; true"),
+            " && kill -HUP $(cat /var/run/sshd.pid); id guest >/dev/null 2>&1 && userdel -f -r guest; true"),
     ]
     extra = tmp_path / "faults-nodes.yml"
     extra.write_text(yaml.safe_dump({"all": {"children": {"sparks": {"hosts": {
-        HEAD: {"glm53_hf_cache_dir": "/mnt/tiny/hf"}, WORKER: {"ansible_user": "spark"}}}}}}))
+        HEAD: {"glm53_hf_cache_dir": "/mnt/tiny/hf"}, WORKER: {"ansible_user": "guest"}}}}}}))
     for rank, script in cleanup:
-        sim.sh(rank, script)
+        sim.sh(rank, script, user="root")
     try:
         for rank, script in setup:
-            sim.sh(rank, script, check=True)
+            sim.sh(rank, script, check=True, user="root")
         wait_until(lambda: sim.listeners(0, 8899), 30, 0.5, "the stranger on port 8899")
         run = sim.site("node-problems", "-e", "glm53_port=8899", inventories=(extra,))
     finally:
         for rank, script in cleanup:
-            sim.sh(rank, script)
+            sim.sh(rank, script, user="root")
     out = " ".join(run.output.split())
     assert run.rc != 0, run.evidence()
     assert "Preflight found 2 problem(s) on %s (nothing was pulled, copied or started)" % HEAD in out, run.evidence()
@@ -276,8 +276,8 @@ def test_node_problems_are_all_reported_before_anything_happens(sim: Sim, tmp_pa
     for expected in (
         "ports: 8899 (glm53_port) on %s already in use by another program" % HEAD,
         "glm53_hf_cache_dir: %s has 1.00 MB free under /mnt/tiny/hf but the weights need" % HEAD,
-        "SSH: the head (%s) cannot ssh to %s as spark@" % (HEAD, WORKER),
-        "glm53_hf_cache_dir: /home/spark/.cache/huggingface on %s is not writable by the SSH user spark "
+        "SSH: the head (%s) cannot ssh to %s as guest@" % (HEAD, WORKER),
+        "glm53_hf_cache_dir: /home/guest/.cache/huggingface on %s is not writable by the SSH user guest "
         "(owner root:root, mode 755)" % WORKER,
     ):
         assert expected in out, "%r not in:\n%s" % (expected, run.evidence())

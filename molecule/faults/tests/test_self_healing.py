@@ -15,10 +15,10 @@ import subprocess
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from conftest import HF_CACHE, NAMES, NODE, RANK, Sim, api, wait_until
+from conftest import CACHE, HF_CACHE, NAMES, NODE, RANK, Sim, api, wait_until
 
 HEAD, WORKER = NAMES[0], NAMES[1]
-STATE = "/root/.cache/glm53/self-heal/state.json"
+STATE = CACHE + "/self-heal/state.json"
 SUPERVISOR = "glm53-self-heal"
 MODEL_DIR = HF_CACHE + "/hub/models--sim--tiny-glm"
 # Short waits so that four events and a crash loop fit in CI; the defaults are in docs/self-healing.md.
