@@ -178,7 +178,8 @@ class Sim:
         return [line.split()[3] for line in out.splitlines() if line.split()[3].rsplit(":", 1)[-1] == str(port)]
 
 
-def api(path: str, key: Optional[str] = None, host: str = HEAD_IP, body: Optional[dict] = None) -> tuple:
+def api(path: str, key: Optional[str] = None, host: str = HEAD_IP, body: Optional[dict] = None,
+        port: int = PORT) -> tuple:
     """(status, body) of one request to the head's API; status 0 when nothing answers."""
     import urllib.error
     import urllib.request
@@ -187,7 +188,7 @@ def api(path: str, key: Optional[str] = None, host: str = HEAD_IP, body: Optiona
     if key:
         headers["Authorization"] = "Bearer " + key
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request("http://%s:%d%s" % (host, PORT, path), data=data, headers=headers)
+    request = urllib.request.Request("http://%s:%d%s" % (host, port, path), data=data, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as resp:
             return resp.status, resp.read().decode()

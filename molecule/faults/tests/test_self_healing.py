@@ -15,12 +15,14 @@ import subprocess
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from conftest import CACHE, HF_CACHE, NAMES, NODE, RANK, Sim, api, wait_until
+from conftest import CACHE, HF_CACHE, NAMES, NODE, PORT, RANK, Sim, api, wait_until
 
 HEAD, WORKER = NAMES[0], NAMES[1]
 STATE = CACHE + "/self-heal/state.json"
 SUPERVISOR = "glm53-self-heal"
 MODEL_DIR = HF_CACHE + "/hub/models--sim--tiny-glm"
+# From the settings-change test on, the group serves here (the later tests follow it; settings_guard re-deploys).
+NEW_PORT = PORT + 1
 # Short waits so that four events and a crash loop fit in CI; the defaults are in docs/self-healing.md.
 SELF_HEAL = ["-e", "glm53_self_heal=true", "-e", "glm53_self_heal_poll_interval=2", "-e", "glm53_self_heal_grace=20",
              "-e", "glm53_self_heal_backoff=5", "-e", "glm53_self_heal_backoff_max=10",
@@ -33,11 +35,11 @@ RECOVERY_WAIT_S = 900
 measured: Dict[str, Any] = {}
 
 
-def answers(key: str) -> Optional[List[str]]:
+def answers(key: str, port: int = PORT) -> Optional[List[str]]:
     """The model's answers to PROMPTS at temperature 0, or None while the API does not serve them."""
     out = []
     for prompt in PROMPTS:
-        status, body = api("/v1/chat/completions", key=key, body={
+        status, body = api("/v1/chat/completions", key=key, port=port, body={
             "model": "GLM-5.3-Flash-EXL3", "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
             "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}})
         if status != 200:
@@ -154,6 +156,37 @@ def test_both_nodes_restarted_together_heal_without_ansible(sim: Sim) -> None:
     print("recovery times (s): %s" % json.dumps(measured, sort_keys=True, default=str))
 
 
+# --------------------------------------------------------------------------- the supervisor follows the settings
+
+
+def test_a_port_change_moves_the_supervisor_and_leaves_the_healthy_group_alone(sim: Sim) -> None:
+    # Reported: the supervisor read its configuration once, kept polling the old port, and 60 s later restarted the
+    # healthy group on the new one. The grace here is 20 s with 2 s polls: 45 s is two graces and then some.
+    wait_until(lambda: state(sim).get("attempts") == 0 and state(sim).get("phase") == "watching", 120, 2,
+               "a stable group before the settings change")
+    run = sim.site("self-heal-port", *SELF_HEAL, "-e", "glm53_port=%d" % NEW_PORT)
+    assert run.rc == 0, run.evidence()
+    started = {rank: sim.container(rank)["State"]["StartedAt"] for rank in range(len(NAMES))}
+    recoveries = len(state(sim).get("recoveries", []))
+    assert answers(sim.secrets["glm53_api_key"], port=NEW_PORT) == measured["answers"]
+    assert "API http://127.0.0.1:%d" % NEW_PORT in supervisor_log(sim), supervisor_log(sim)
+    time.sleep(45)
+    after = state(sim)
+    assert after.get("phase") == "watching" and len(after.get("recoveries", [])) == recoveries, \
+        "the supervisor acted on the healthy group after the port change: %s\n%s" % (after, supervisor_log(sim))
+    assert {rank: sim.container(rank)["State"]["StartedAt"] for rank in range(len(NAMES))} == started
+    assert answers(sim.secrets["glm53_api_key"], port=NEW_PORT) == measured["answers"]
+
+
+def test_the_self_heal_tag_checks_health_before_it_arms_the_supervisor(sim: Sim) -> None:
+    run = sim.site("self-heal-tag", *SELF_HEAL, "-e", "glm53_port=%d" % NEW_PORT, "--tags", "self_heal")
+    assert run.rc == 0, run.evidence()
+    out = " ".join(run.output.split())
+    health = out.find("TASK [sparkops.glm53.health : Wait for the API and run the canary")
+    arm = out.find("TASK [sparkops.glm53.self_heal : Run the supervisor]")
+    assert 0 <= health < arm, run.evidence()
+
+
 # --------------------------------------------------------------------------- crash loop
 
 
@@ -184,7 +217,7 @@ def test_a_crash_loop_backs_off_then_stops_with_the_reason_in_status(sim: Sim) -
     # Given up means stopped, and staying so: no rank runs, none comes back.
     time.sleep(10)
     assert not sim.running(0) and not sim.running(1)
-    status = sim.start("status-given-up", "playbooks/status.yml", *SELF_HEAL).wait(300)
+    status = sim.start("status-given-up", "playbooks/status.yml", *SELF_HEAL, "-e", "glm53_port=%d" % NEW_PORT).wait(300)
     out = " ".join(status.output.split())
     assert status.rc == 0, status.evidence()
     assert "self-healing: given_up since" in out and "gave up after 2 recoveries in a row" in out, status.evidence()
@@ -195,7 +228,7 @@ def test_a_crash_loop_backs_off_then_stops_with_the_reason_in_status(sim: Sim) -
 
 
 def test_stop_yml_stops_for_good_across_a_reboot_of_both_nodes(sim: Sim) -> None:
-    stop = sim.start("self-heal-stop", "playbooks/stop.yml", *SELF_HEAL).wait(300)
+    stop = sim.start("self-heal-stop", "playbooks/stop.yml", *SELF_HEAL, "-e", "glm53_port=%d" % NEW_PORT).wait(300)
     assert stop.rc == 0, stop.evidence()
     assert sim.container(0, SUPERVISOR) is None, "stop.yml left the supervisor"
     assert state(sim)["phase"] == "stopped", state(sim)
@@ -204,8 +237,8 @@ def test_stop_yml_stops_for_good_across_a_reboot_of_both_nodes(sim: Sim) -> None
                120, 2, "both nodes' dockerd after the reboot")
     time.sleep(20)  # several polls' worth, had anything been left to restart the ranks
     assert sim.container(0) is None and sim.container(1) is None and sim.container(0, SUPERVISOR) is None
-    assert api("/health")[0] == 0
-    status = sim.start("status-stopped", "playbooks/status.yml", *SELF_HEAL).wait(300)
+    assert api("/health")[0] == 0 and api("/health", port=NEW_PORT)[0] == 0
+    status = sim.start("status-stopped", "playbooks/status.yml", *SELF_HEAL, "-e", "glm53_port=%d" % NEW_PORT).wait(300)
     assert status.rc == 0, status.evidence()
     assert "self-healing: stopped since" in status.output and "stopped by playbooks/stop.yml" in status.output, \
         status.evidence()
