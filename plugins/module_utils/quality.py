@@ -356,6 +356,9 @@ class GateConfig:
     request_timeout: float = 600.0
     worst_count: int = 3
     reference_id: str = ""
+    # Which incarnation of the ranks answered (the head rank's container id and start time): a pass measured
+    # against the same running ranks, set and thresholds is not measured again (reusable_pass).
+    served_by: str = ""
 
 
 @dataclass
@@ -395,6 +398,7 @@ def build_report(cfg: GateConfig, reference: ReferenceSet, verdict: Verdict, sco
         "windows": [s.to_dict() for s in scores],
         "served_model_name": cfg.served_model_name,
         "url": cfg.url,
+        "served_by": cfg.served_by,
         "reference": {"id": cfg.reference_id, "top_k": reference.top_k,
                       "teacher": reference.metadata.get("teacher", {}),
                       "prompt": reference.metadata.get("prompt", {}),
@@ -421,6 +425,30 @@ def run_gate(cfg: GateConfig, reference: ReferenceSet, io: GateIO) -> GateOutcom
     verdict = judge(scores, cfg.thresholds, cfg.worst_count)
     report = build_report(cfg, reference, verdict, scores, io.now_iso(), io.clock() - start)
     return GateOutcome(not verdict.passed, verdict_message(verdict), report)
+
+
+def reusable_pass(report: Any, cfg: GateConfig) -> bool:
+    """A report that already passed this exact gate against these same running ranks. The engine is deterministic
+    and nothing it serves with can change without a restart (which gives a new ``served_by``), so measuring again
+    would repeat the same numbers; a failed report, another set, other thresholds or new ranks are measured."""
+    if not isinstance(report, Mapping) or not cfg.served_by or not cfg.reference_id:
+        return False
+    reference = report.get("reference")
+    return (report.get("format") == REPORT_FORMAT and report.get("passed") is True
+            and report.get("served_by") == cfg.served_by
+            and isinstance(reference, Mapping) and reference.get("id") == cfg.reference_id
+            and report.get("served_model_name") == cfg.served_model_name and report.get("url") == cfg.url
+            and report.get("max_kld") == cfg.thresholds.max_kld and report.get("min_top1") == cfg.thresholds.min_top1)
+
+
+def read_report(path: str) -> Optional[Dict[str, Any]]:
+    """The report at ``path``, or None when there is none or it cannot be read as one."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def write_report(path: str, report: Mapping[str, Any]) -> None:

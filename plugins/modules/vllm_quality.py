@@ -55,6 +55,14 @@ options:
   report_path:
     description: Where on the head to write the JSON report; its directory is created.
     type: path
+  served_by:
+    description:
+      - Names the running ranks that answer (the role passes the head rank's container id and start time).
+      - When set, and the report at O(report_path) passed with the same O(served_by), set, thresholds, URL and
+        served name, the gate is not measured again and that report is returned with RV(reused) true. The ranks
+        cannot change what they compute without a restart, which gives a new O(served_by). Empty always measures.
+    type: str
+    default: ""
 attributes:
   check_mode:
     description: Can run in check_mode and return changed status prediction without modifying target.
@@ -108,10 +116,14 @@ report:
   description:
     - The full report also written to O(report_path) (format C(sparkops-glm53-quality-report) version 1).
     - Keys time, passed, reasons, kld, top1, max_kld, min_top1, positions, worst_windows, windows,
-      served_model_name, url, reference, elapsed_s; each window row has id, kind, positions, kld, top1,
+      served_model_name, url, served_by, reference, elapsed_s; each window row has id, kind, positions, kld, top1,
       max_position_kld, worst_position, teacher_top1_there, served_top1_there.
   type: dict
   returned: when every window was scored
+reused:
+  description: True when an earlier passing report for the same running ranks was returned instead of measuring.
+  type: bool
+  returned: when O(served_by) matched a passing report
 would_score:
   description: Windows and positions the set holds (check mode).
   type: dict
@@ -134,6 +146,8 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.quality import (
     QualityError,
     Thresholds,
     load_reference,
+    read_report,
+    reusable_pass,
     run_gate,
     write_report,
 )
@@ -150,6 +164,7 @@ def main() -> None:
             worst=dict(type="int", default=3),
             request_timeout=dict(type="float", default=600),
             report_path=dict(type="path"),
+            served_by=dict(type="str", default=""),
         ),
         supports_check_mode=True,
     )
@@ -164,7 +179,13 @@ def main() -> None:
         url=p["url"], served_model_name=p["served_model_name"], api_key=p["api_key"],
         thresholds=Thresholds(max_kld=p["max_kld"], min_top1=p["min_top1"]),
         request_timeout=p["request_timeout"], worst_count=p["worst"], reference_id=p["reference_id"],
+        served_by=p["served_by"],
     )
+    earlier = read_report(p["report_path"]) if p["report_path"] else None
+    if earlier is not None and reusable_pass(earlier, config):
+        module.exit_json(changed=False, reused=True, passed=True, kld=earlier.get("kld"), top1=earlier.get("top1"),
+                         report=earlier, msg="quality gate: passed at %s against these same running ranks (%s); "
+                         "not measured again" % (earlier.get("time", "?"), p["served_by"]))
 
     if module.check_mode:
         models = urllib_http("GET", p["url"].rstrip("/") + "/v1/models", api_headers(p["api_key"]), None, 10.0)

@@ -386,3 +386,25 @@ def test_write_report_replaces_the_file_atomically(tmp_path: Path) -> None:
     q.write_report(str(path), {"passed": False})
     assert json.loads(path.read_text()) == {"passed": False}
     assert [p.name for p in path.parent.iterdir()] == ["last.json"]
+
+
+def test_reusable_pass_needs_every_identity_to_match() -> None:
+    cfg = q.GateConfig("http://head:8888", "M", q.Thresholds(0.08, 0.9), reference_id="r@1", served_by="c@T")
+    report = {"format": q.REPORT_FORMAT, "passed": True, "served_by": "c@T", "reference": {"id": "r@1"},
+              "served_model_name": "M", "url": "http://head:8888", "max_kld": 0.08, "min_top1": 0.9}
+    assert q.reusable_pass(report, cfg)
+    for change in ({"passed": False}, {"served_by": "c@T2"}, {"reference": {"id": "r@2"}}, {"max_kld": 0.1},
+                   {"min_top1": 0.8}, {"url": "http://head:8889"}, {"served_model_name": "N"}, {"format": "x"},
+                   {"reference": None}):
+        assert not q.reusable_pass(dict(report, **change), cfg), change
+    assert not q.reusable_pass(report, q.GateConfig("http://head:8888", "M", q.Thresholds(0.08, 0.9),
+                                                    reference_id="r@1"))
+    assert not q.reusable_pass(["not", "a", "report"], cfg)
+
+
+def test_read_report_returns_none_for_what_is_not_a_report(tmp_path: Path) -> None:
+    assert q.read_report(str(tmp_path / "absent.json")) is None
+    (tmp_path / "bad.json").write_text("{not json")
+    assert q.read_report(str(tmp_path / "bad.json")) is None
+    (tmp_path / "list.json").write_text("[1]")
+    assert q.read_report(str(tmp_path / "list.json")) is None

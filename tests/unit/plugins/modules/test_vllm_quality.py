@@ -143,3 +143,25 @@ def test_a_missing_set_is_named(fake_vllm: str, tmp_path: Path) -> None:
     args["reference_dir"] = str(tmp_path / "nowhere")
     result = run_module(args)
     assert result["failed"] and "cannot read the reference set in %s" % (tmp_path / "nowhere") in result["msg"]
+
+
+def test_a_pass_is_reused_for_the_same_running_ranks_and_measured_again_for_new_ones(fake_vllm: str,
+                                                                                     tmp_path: Path) -> None:
+    first = run_module(gate_args(fake_vllm, tmp_path, served_by="abc@T1"))
+    assert first["passed"] and "reused" not in first and len(FakeVllm.requests) == 2
+    again = run_module(gate_args(fake_vllm, tmp_path, served_by="abc@T1"))
+    assert again["reused"] is True and again["passed"] and len(FakeVllm.requests) == 2, again
+    assert "not measured again" in again["msg"] and again["report"] == first["report"]
+    # New ranks (a restart), other thresholds or no identity at all: measured.
+    for extra in ({"served_by": "abc@T2"}, {"served_by": "abc@T2", "max_kld": 0.04}, {"served_by": ""}):
+        before = len(FakeVllm.requests)
+        result = run_module(gate_args(fake_vllm, tmp_path, **extra))
+        assert "reused" not in result and len(FakeVllm.requests) == before + 2, (extra, result)
+
+
+def test_a_failed_report_is_never_reused(fake_vllm: str, tmp_path: Path) -> None:
+    FakeVllm.temperature = 2.5
+    assert run_module(gate_args(fake_vllm, tmp_path, served_by="abc@T1"))["failed"]
+    FakeVllm.temperature = 1.0
+    result = run_module(gate_args(fake_vllm, tmp_path, served_by="abc@T1"))
+    assert result["passed"] and "reused" not in result
