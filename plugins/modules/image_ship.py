@@ -1,0 +1,190 @@
+#!/usr/bin/python
+# SPDX-License-Identifier: MIT
+# Copyright: (c) 2026, sparkops
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: image_ship
+short_description: Ship a docker image to another host over ssh, compressed, with stall detection and retries
+version_added: 0.1.0
+description:
+  - Runs C(docker image save) on the target (the head, through C(delegate_to)), compresses the stream with
+    C(zstd -T0), and sends it over C(ssh) to O(destination), where C(zstd -dc | docker image load) loads it.
+  - The module copies every byte between the stages itself, so it counts the bytes (raw and on the wire) and
+    sees a stall, that is no byte moving for O(stall_timeout) seconds. Then it kills every stage and starts
+    again from the first byte, up to O(attempts) times, all within O(timeout) seconds.
+  - C(docker image load) tags nothing until it has read the whole archive, so an interrupted ship leaves the
+    destination's old image as it was.
+  - ssh runs with C(BatchMode=yes), C(ConnectTimeout) and a keep-alive (C(ServerAliveInterval) x
+    C(ServerAliveCountMax) about O(stall_timeout)), so a link that dies after the last byte, while the
+    destination still loads the layers, ends the session too.
+author:
+  - sparkops (!UNKNOWN)
+options:
+  image:
+    description: The image to ship, as the target's docker names it.
+    type: str
+    required: true
+  destination:
+    description: Where to ship it, as C(user@host) for ssh; that user must be able to run docker there.
+    type: str
+    required: true
+  name:
+    description: How messages and the report name the destination (for example its inventory name).
+    type: str
+    default: ""
+  compression_level:
+    description: zstd compression level, 1 to 19.
+    type: int
+    required: true
+  stall_timeout:
+    description: Seconds without a byte moving after which an attempt is killed and started again.
+    type: float
+    required: true
+  attempts:
+    description: How many times to start the ship before failing, at least 1.
+    type: int
+    required: true
+  timeout:
+    description: Seconds all attempts together may take.
+    type: float
+    required: true
+  connect_timeout:
+    description: ssh's C(ConnectTimeout) in seconds.
+    type: int
+    default: 10
+  hint:
+    description: Appended to the failure message (for example which settings to change).
+    type: str
+    default: ""
+attributes:
+  check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
+    support: full
+    details:
+      - Reports the command it would run and C(changed=true); ships nothing. The caller decides that a ship is
+        needed (the module does not compare images).
+  diff_mode:
+    description: Will return details on what has changed (or possibly needs changing in check_mode), when in diff mode.
+    support: none
+  idempotent:
+    description: When run twice in a row outside check mode, with the same arguments, the second invocation indicates no change.
+    support: none
+    details: Every run ships; run it only when the destination's copy differs.
+requirements:
+  - docker and zstd on the target; ssh from the target to O(destination); zstd and docker on O(destination).
+notes:
+  - Only the Python standard library is used.
+"""
+
+EXAMPLES = r"""
+- name: Ship the engine image from the head to this worker
+  sparkops.glm53.image_ship:
+    image: sparkops/glm53-engine:local
+    destination: spark@10.0.0.2
+    name: spark2
+    compression_level: 3
+    stall_timeout: 60
+    attempts: 3
+    timeout: 7200
+  delegate_to: spark1
+  register: ship
+
+- name: Say how it went
+  ansible.builtin.debug:
+    msg: "{{ ship.report }}"
+"""
+
+RETURN = r"""
+report:
+  description: One line saying how the ship went (time, bytes, ratio, attempts and why earlier ones failed).
+  type: str
+  returned: always
+  sample: "image ship to spark2: ok in 41.2 s, 21.3 GiB raw, 7.9 GiB on the wire (2.7x), 1 attempt"
+command:
+  description: The pipeline, as a shell would write it (the module runs it without a shell).
+  type: str
+  returned: always
+seconds:
+  description: Seconds all attempts took together.
+  type: float
+  returned: always
+raw_bytes:
+  description: Bytes C(docker image save) produced in the last attempt.
+  type: int
+  returned: always
+wire_bytes:
+  description: Compressed bytes handed to ssh in the last attempt.
+  type: int
+  returned: always
+wire_bytes_total:
+  description: Compressed bytes handed to ssh over every attempt.
+  type: int
+  returned: always
+attempts:
+  description: How many attempts ran.
+  type: int
+  returned: always
+attempt_log:
+  description: Each attempt's outcome (C(ok), C(stalled), C(timed out), C(failed)), seconds, bytes and detail.
+  type: list
+  elements: dict
+  returned: always
+"""
+
+from dataclasses import asdict
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.sparkops.glm53.plugins.module_utils.image_ship import (
+    Policy,
+    describe_stages,
+    failure_message,
+    report_line,
+    ship,
+    ship_stages,
+)
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            image=dict(type="str", required=True),
+            destination=dict(type="str", required=True),
+            name=dict(type="str", default=""),
+            compression_level=dict(type="int", required=True),
+            stall_timeout=dict(type="float", required=True),
+            attempts=dict(type="int", required=True),
+            timeout=dict(type="float", required=True),
+            connect_timeout=dict(type="int", default=10),
+            hint=dict(type="str", default=""),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    policy = Policy(stall_timeout_s=p["stall_timeout"], attempts=p["attempts"], timeout_s=p["timeout"])
+    problems = policy.errors()
+    if not 1 <= p["compression_level"] <= 19:
+        problems.append("compression_level must be in [1, 19] (got %d)" % p["compression_level"])
+    if problems:
+        module.fail_json(msg="; ".join(problems))
+    worker = p["name"] or p["destination"]
+    stages = ship_stages(p["image"], p["destination"], p["compression_level"], p["stall_timeout"],
+                         p["connect_timeout"])
+    command = describe_stages(stages)
+    if module.check_mode:
+        module.exit_json(changed=True, command=command, seconds=0.0, raw_bytes=0, wire_bytes=0,
+                         wire_bytes_total=0, attempts=0, attempt_log=[],
+                         report="image ship to %s: would ship %s (%s)" % (worker, p["image"], command))
+    result = ship(stages, policy)
+    answer = dict(command=command, seconds=result.seconds, raw_bytes=result.raw_bytes, wire_bytes=result.wire_bytes,
+                  wire_bytes_total=result.wire_bytes_total, attempts=len(result.attempts),
+                  attempt_log=[asdict(a) for a in result.attempts], report=report_line(worker, result))
+    if not result.ok:
+        module.fail_json(msg=failure_message(worker, result, p["hint"]), **answer)
+    module.exit_json(changed=True, **answer)
+
+
+if __name__ == "__main__":
+    main()
