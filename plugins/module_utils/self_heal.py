@@ -259,6 +259,9 @@ class SupervisorConfig:
     # The run lock's holder token, roles/self_heal/vars/main.yml's; stop.yml releases a lock left with it.
     lock_token: str
     owner: str
+    # The supervisor's container on the head, recorded in the run lock it takes: a site.yml run breaks that
+    # lock when the container no longer runs (removed mid-recovery) instead of waiting for it.
+    container: str = ""
     policy: Policy = field(default_factory=Policy)
     canary: Canary = field(default_factory=Canary)
     log_tail: int = 40
@@ -271,6 +274,7 @@ class SupervisorConfig:
                    state_path=str(data["state_path"]), lock_path=str(data["lock_path"]),
                    lock_token=str(data["lock_token"]),
                    owner=str(data.get("owner") or "glm53 self-healing supervisor"),
+                   container=str(data.get("container") or ""),
                    policy=Policy.from_dict(data.get("policy") or {}), canary=Canary.from_dict(data.get("canary")),
                    log_tail=int(data.get("log_tail", cls.log_tail)))
 
@@ -302,12 +306,13 @@ def _shape(reason: str) -> str:
 
 class Supervisor:
     def __init__(self, config: SupervisorConfig, io: HealthIO, log: Callable[[str], None],
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, boot_id: Callable[[], str] = run_lock.read_boot_id) -> None:
         self.cfg = config
         self.io = io
         self.log = log
         # Wall-clock time, not io.clock: the state's times must mean the same after a reboot.
         self.wall = wall
+        self.boot_id = boot_id
         self.last_logged = ""
 
     @property
@@ -380,8 +385,9 @@ class Supervisor:
     def attempt(self, decision: Decision) -> State:
         """One recovery under the run lock, so a site.yml run waits for it (and it for a site.yml run)."""
         started = self.wall()
+        # The boot id and container let a site.yml run tell this holder is gone after a reboot or a removal.
         holder = run_lock.Holder(token=self.cfg.lock_token, owner=self.cfg.owner, playbook="self-healing recovery",
-                                 since=started)
+                                 since=started, boot_id=self.boot_id(), container=self.cfg.container)
         acquired, _seen = run_lock.try_acquire(self.cfg.lock_path, holder, started)
         if not acquired:
             return replace(decision.state, phase=PHASE_PAUSED, reason="paused: another run took the run lock")

@@ -15,7 +15,17 @@ description:
     with a message naming the holder. Taking a lock this run (same O(token)) already holds succeeds at once.
   - O(state=absent) releases the lock only when O(token) holds it; a lock held by another run is left alone.
   - O(break_token) removes the lock first when, and only when, that exact run holds it (the caller knows the
-    run is gone, e.g. an interrupted run of the same controller whose process has exited).
+    run is gone).
+  - With O(break_dead), a holder that is provably gone is broken instead of waited for, on every poll while
+    waiting, and the result says which case it was (RV(why)). Gone means a run of this O(controller) whose
+    process is not in O(controller_pids); a holder that recorded another boot id of the target than the
+    current one (the target rebooted since); or a holder that recorded a container (the self-healing
+    supervisor) that C(docker inspect) shows absent or not running. A running, restarting or paused container,
+    a docker that does not answer, a run of another controller or a holder without these records (a lock
+    taken by an older version) is waited for.
+  - The lock records the target's boot id (C(/proc/sys/kernel/random/boot_id)) for that decision.
+  - When the lock cannot be created (its parent directory not writable by this user), the module fails naming
+    the directory, its owner and the C(chown) that fixes it.
   - The lock is bookkeeping of one run, not configuration. The module never reports C(changed), so a re-run
     of the playbook stays at C(changed=0).
 author:
@@ -39,9 +49,19 @@ options:
     type: str
     default: "?"
   controller:
-    description: Host name of the controller running the playbook (stored for stale-lock decisions).
+    description: Host name of the controller running the playbook (stored, and compared with a holder's for O(break_dead)).
     type: str
     default: ""
+  controller_pids:
+    description:
+      - Process ids running Ansible on O(controller) now, as the caller saw them. A holder of the same controller
+        whose pid is not among them has exited. Omitted, no holder is judged by its pid.
+    type: list
+    elements: int
+  break_dead:
+    description: Break a lock whose holder is provably gone (see the description) instead of waiting for it.
+    type: bool
+    default: true
   pid:
     description: Process id of the controller's ansible-playbook (stored for stale-lock decisions).
     type: int
@@ -133,26 +153,71 @@ waited_s:
   type: float
   returned: state=present
 broken:
-  description: Whether O(break_token)'s lock was removed first.
+  description: Whether a holder's lock was removed (O(break_token)'s, or a holder found gone with O(break_dead)).
   type: bool
   returned: state=present
+gone:
+  description: In check mode, whether the holder seen is provably gone (a real run would break its lock).
+  type: bool
+  returned: state=present
+why:
+  description: The verdict on the holder seen last, e.g. C(its container glm53-self-heal no longer runs on the head (absent)).
+  type: str
+  returned: state=present
+  sample: a run of this controller (laptop) whose process 4242 has exited
+lock_error:
+  description: Whether the lock could not be created at all (the message names the cause); no run holds it then.
+  type: bool
+  returned: failed
 release:
   description: C(released), C(absent) or C(not ours) (left alone).
   type: str
   returned: state=absent
 """
 
+import os
+import pwd
 import time
+from typing import Optional
 
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.sparkops.glm53.plugins.module_utils.run_lock import (
+    Facts,
     Holder,
     acquire,
+    container_status,
     describe_state,
+    explain_os_error,
+    judge,
+    read_boot_id,
     read_state,
     release,
 )
+
+
+def observe(module: AnsibleModule, holder: Optional[Holder], boot_id: str) -> Facts:
+    """The facts judge() needs about ``holder``, gathered here on the head: docker only for a container holder."""
+    pids = module.params["controller_pids"]
+    state, error = None, ""
+    if holder is not None and holder.container:
+        docker = module.get_bin_path("docker")
+        if docker is None:
+            error = "no docker CLI on the head"
+        else:
+            rc, out, err = module.run_command([docker, "inspect", "-f", "{{.State.Status}}", holder.container])
+            state = container_status(rc, out, err)
+            error = "" if state is not None else "docker inspect: %s" % (" ".join((err or out).split())[:200] or rc)
+    return Facts(boot_id=boot_id, controller=module.params["controller"],
+                 controller_pids=frozenset(pids) if pids is not None else None, container_state=state,
+                 container_error=error)
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return ""
 
 
 def main() -> None:
@@ -169,6 +234,8 @@ def main() -> None:
             timeout=dict(type="float", default=1800),
             poll_interval=dict(type="float", default=2),
             break_token=dict(type="str", default="", no_log=False),
+            controller_pids=dict(type="list", elements="int"),
+            break_dead=dict(type="bool", default=True),
         ),
         supports_check_mode=True,
     )
@@ -190,26 +257,35 @@ def main() -> None:
         module.exit_json(changed=False, release=outcome, held=seen.held, holder=seen_holder,
                          holder_text=describe_state(seen, now))
 
+    boot_id = read_boot_id()
+
+    def verdict(holder: Optional[Holder]) -> tuple[bool, str]:
+        gone, why = judge(holder, observe(module, holder, boot_id))
+        return gone and p["break_dead"], why
+
     if module.check_mode:
+        gone, why = verdict(seen.holder) if seen.held and not mine else (False, "")
         module.exit_json(changed=False, acquired=not seen.held or mine, held=seen.held, holder=seen_holder,
-                         holder_text=describe_state(seen, now), waited_s=0.0, broken=False)
+                         holder_text=describe_state(seen, now), waited_s=0.0, broken=False, gone=gone, why=why)
 
     holder = Holder(token=p["token"], owner=p["owner"], controller=p["controller"], pid=p["pid"],
-                    playbook=p["playbook"], since=now)
+                    playbook=p["playbook"], since=now, boot_id=boot_id)
     try:
-        result = acquire(p["path"], holder, p["timeout"], p["poll_interval"], p["break_token"])
+        result = acquire(p["path"], holder, p["timeout"], p["poll_interval"], p["break_token"], verdict=verdict)
     except OSError as exc:
-        module.fail_json(msg="cannot create the run lock %s: %s" % (p["path"], exc), acquired=False,
-                         held=seen.held, holder=seen_holder, holder_text=describe_state(seen, now))
+        uid = os.geteuid()
+        # Not "held by nobody": no run holds it, this user cannot create it.
+        module.fail_json(msg=explain_os_error(p["path"], exc, uid, user_name(uid)), acquired=False, held=False,
+                         lock_error=True, holder=seen_holder, holder_text=describe_state(seen, now))
     waited_for = result.state.holder.to_dict() if result.state.holder else {}
     text = describe_state(result.state, time.time())
     if not result.acquired:
         module.fail_json(
-            msg="the run lock %s is held by %s; waited %.0f s" % (p["path"], text, result.waited_s),
+            msg="the run lock %s is held by %s; waited %.0f s (%s)" % (p["path"], text, result.waited_s, result.why),
             acquired=False, held=True, holder=waited_for, holder_text=text, waited_s=result.waited_s,
-            broken=result.broken)
+            broken=result.broken, why=result.why, gone=False)
     module.exit_json(changed=False, acquired=True, held=result.state.held, holder=waited_for, holder_text=text,
-                     waited_s=result.waited_s, broken=result.broken)
+                     waited_s=result.waited_s, broken=result.broken, why=result.why, gone=result.broken)
 
 
 if __name__ == "__main__":

@@ -310,7 +310,32 @@ def test_lock_left_by_an_interrupted_run_of_this_controller_is_broken(sim: Sim) 
     sim.node(0, "sh", "-c", "printf '%%s' '%s' > %s/holder.json" % (json.dumps(holder), LOCK), check=True)
     run = sim.site("stale-lock", "--tags", "preflight", "-e", "glm53_max_model_len=0", timeout=120)
     out = " ".join(run.output.split())
-    assert "Breaking the run lock left on %s by an interrupted run: %s" % (HEAD, holder["owner"]) in out, run.evidence()
+    assert ("Breaking the run lock on %s, held by %s" % (HEAD, holder["owner"])) in out, run.evidence()
+    assert ("the holder is gone: a run of this controller (%s) whose process %d has exited"
+            % (os.uname().nodename, gone.pid)) in out, run.evidence()
+    assert "glm53_max_model_len must be >= 1" in out, run.evidence()  # the run went on to its own failure
+    assert sim.lock_holder() is None, "the run did not release the lock it took over"
+
+
+def test_lock_left_by_a_removed_supervisor_is_broken_without_waiting(sim: Sim) -> None:
+    # The supervisor holds the lock during a recovery; `docker rm -f` of its container mid-recovery leaves it.
+    # Planted as the supervisor writes it (its fixed token, this boot, its container), with no such container
+    # running (these runs pass glm53_self_heal=false, which removes it; removed again here to be sure).
+    sim.node(0, "docker", "rm", "-f", "glm53-self-heal")
+    boot = sim.node(0, "cat", "/proc/sys/kernel/random/boot_id", check=True).stdout.strip()
+    holder = {"token": "glm53-self-heal", "owner": "glm53 self-healing supervisor on %s" % HEAD,
+              "controller": "", "pid": 0, "playbook": "self-healing recovery", "since": time.time() - 60,
+              "boot_id": boot, "container": "glm53-self-heal"}
+    sim.node(0, "mkdir", "-p", LOCK, check=True)
+    sim.node(0, "sh", "-c", "printf '%%s' '%s' > %s/holder.json" % (json.dumps(holder), LOCK), check=True)
+    # A wait would last glm53_lock_timeout and end in "Another run holds the run lock".
+    run = sim.site("dead-supervisor-lock", "--tags", "preflight", "-e", "glm53_max_model_len=0",
+                   "-e", "glm53_lock_timeout=300", timeout=280)
+    out = " ".join(run.output.split())
+    assert ("Breaking the run lock on %s, held by %s" % (HEAD, holder["owner"])) in out, run.evidence()
+    assert "the holder is gone: its container glm53-self-heal no longer runs on the head (absent)" in out, \
+        run.evidence()
+    assert "Another run holds the run lock" not in out and "Waiting up to" not in out, run.evidence()
     assert "glm53_max_model_len must be >= 1" in out, run.evidence()  # the run went on to its own failure
     assert sim.lock_holder() is None, "the run did not release the lock it took over"
 

@@ -2,11 +2,16 @@
 """run_lock: the head's lock that serialises site.yml runs (the logic; tests/unit/plugins/modules runs the module)."""
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Optional
+
+import pytest
 
 from ansible_collections.sparkops.glm53.plugins.module_utils import run_lock as rl
 
@@ -130,3 +135,189 @@ def test_only_one_of_many_concurrent_runs_gets_the_lock(tmp_path: Path) -> None:
     for thread in threads:
         thread.join()
     assert len(winners) == 1 and rl.read_state(path, time.time()).holder.token == winners[0]
+
+
+# --------------------------------------------------------------------------- holders that are gone (issue 24)
+
+SUPERVISOR = rl.Holder(token="glm53-self-heal", owner="glm53 self-healing supervisor on spark1",
+                       playbook="self-healing recovery", since=1000.0, boot_id="boot-1", container="glm53-self-heal")
+# A run of controller "laptop" that recorded the head's boot.
+RUN = rl.Holder(token="run-a", owner="alice@laptop pid 4242", controller="laptop", pid=4242, playbook="site.yml",
+                since=1000.0, boot_id="boot-1")
+HERE = rl.Facts(boot_id="boot-1", controller="laptop", controller_pids=frozenset({4242, 4300}))
+
+
+def test_a_run_of_this_controller_whose_process_exited_is_gone_and_a_live_one_is_not() -> None:
+    gone, why = rl.judge(RUN, replace(HERE, controller_pids=frozenset({4300})))
+    assert gone and why == "a run of this controller (laptop) whose process 4242 has exited"
+    gone, why = rl.judge(RUN, HERE)
+    assert not gone and why == "a run of this controller (laptop) whose process 4242 still runs"
+
+
+def test_a_live_process_of_this_controller_wins_over_a_changed_boot_id() -> None:
+    # The controller is not the head: its run survives the head's reboot and still holds the lock.
+    assert not rl.judge(RUN, replace(HERE, boot_id="boot-2"))[0]
+
+
+def test_a_holder_from_before_the_heads_reboot_is_gone() -> None:
+    other = replace(RUN, controller="desk")
+    gone, why = rl.judge(other, replace(HERE, boot_id="boot-2"))
+    assert gone and why.startswith("the head rebooted since the lock was taken (boot id boot-1 then, boot-2 now)")
+    assert not rl.judge(other, HERE)[0]  # same boot: a run of another controller is waited for
+    assert not rl.judge(other, replace(HERE, boot_id=""))[0]  # the head's boot id unreadable: cannot tell
+
+
+@pytest.mark.parametrize("status", ["absent", "exited", "dead", "created", "removing"])
+def test_a_supervisor_whose_container_no_longer_runs_is_gone(status: str) -> None:
+    gone, why = rl.judge(SUPERVISOR, replace(HERE, container_state=status))
+    assert gone and why == "its container glm53-self-heal no longer runs on the head (%s)" % status
+
+
+@pytest.mark.parametrize("status", ["running", "restarting", "paused"])
+def test_a_supervisor_whose_container_runs_or_is_being_restarted_is_live(status: str) -> None:
+    # restarting: dockerd's restart policy brings it back, and it breaks its own lock when it starts.
+    gone, why = rl.judge(SUPERVISOR, replace(HERE, container_state=status))
+    assert not gone and why == "its container glm53-self-heal is %s on the head" % status
+
+
+def test_a_supervisor_is_live_while_docker_cannot_say() -> None:
+    gone, why = rl.judge(SUPERVISOR, replace(HERE, container_error="docker inspect: Cannot connect to the daemon"))
+    assert not gone and "cannot tell" in why and "Cannot connect to the daemon" in why
+
+
+def test_a_supervisor_lock_from_before_a_reboot_is_gone_even_with_its_container_back() -> None:
+    # No process survives a reboot; the restarted supervisor takes the lock anew with the new boot id.
+    assert rl.judge(SUPERVISOR, replace(HERE, boot_id="boot-2", container_state="running"))[0]
+    rebooted = replace(HERE, boot_id="boot-2", container_state="running")
+    assert not rl.judge(replace(SUPERVISOR, boot_id="boot-2"), rebooted)[0]
+
+
+def test_an_old_lock_without_the_new_records_is_judged_as_before() -> None:
+    old = rl.Holder.from_dict({"token": "glm53-self-heal", "owner": "glm53 self-healing supervisor",
+                               "playbook": "self-healing recovery", "since": 900})
+    assert (old.boot_id, old.container) == ("", "")
+    assert not rl.judge(old, replace(HERE, boot_id="boot-2", container_state="absent"))[0]
+    assert not rl.judge(None, HERE)[0]  # unnamed holder
+    # A run of this controller is still judged by its process, as before.
+    legacy_run = rl.Holder.from_dict({"token": "r", "controller": "laptop", "pid": 77})
+    assert rl.judge(legacy_run, HERE)[0]
+    assert not rl.judge(legacy_run, replace(HERE, controller_pids=None))[0]  # the caller did not look
+
+
+def test_new_records_round_trip_through_holder_json(tmp_path: Path) -> None:
+    path = str(tmp_path / "run.lock")
+    rl.try_acquire(path, SUPERVISOR, 1000.0)
+    assert rl.read_state(path, 1001.0).holder == SUPERVISOR
+
+
+@pytest.mark.parametrize("rc,out,err,expected", [
+    (0, "running\n", "", "running"),
+    (0, "exited", "", "exited"),
+    (1, "", "Error: No such object: glm53-self-heal", "absent"),
+    (1, "", "Error response from daemon: No such container: glm53-self-heal", "absent"),
+    (1, "", "Cannot connect to the Docker daemon at unix:///var/run/docker.sock.", None),
+    (127, "", "docker: not found", None),
+])
+def test_container_status_tells_absent_from_unknown(rc: int, out: str, err: str, expected: Optional[str]) -> None:
+    assert rl.container_status(rc, out, err) == expected
+
+
+def test_read_boot_id(tmp_path: Path) -> None:
+    boot = tmp_path / "boot_id"
+    boot.write_text("0b7e1c8a-1f7b-4d6c-9a1e-2b3c4d5e6f70\n")
+    assert rl.read_boot_id(str(boot)) == "0b7e1c8a-1f7b-4d6c-9a1e-2b3c4d5e6f70"
+    assert rl.read_boot_id(str(tmp_path / "missing")) == ""
+
+
+def verdict_with(state: Dict[str, Optional[str]]):
+    """judge() with the container's state read from ``state`` at each call, as the module reads docker."""
+    def verdict(holder: Optional[rl.Holder]) -> tuple:
+        return rl.judge(holder, replace(HERE, container_state=state["container"]))
+    return verdict
+
+
+def test_acquire_breaks_a_gone_supervisors_lock_without_waiting(tmp_path: Path) -> None:
+    path = str(tmp_path / "run.lock")
+    rl.try_acquire(path, SUPERVISOR, 1000.0)
+    clock = Clock()
+    outcome = rl.acquire(path, SECOND, timeout=1800, poll_interval=2, clock=clock, sleep=clock.sleep,
+                         verdict=verdict_with({"container": "absent"}))
+    assert outcome.acquired and outcome.broken and outcome.waited_s == 0 and clock.sleeps == []
+    assert outcome.why == "its container glm53-self-heal no longer runs on the head (absent)"
+    assert outcome.state.holder == SUPERVISOR and rl.read_state(path, clock.now).holder == SECOND
+
+
+def test_acquire_waits_for_a_live_supervisor_and_says_why(tmp_path: Path) -> None:
+    path = str(tmp_path / "run.lock")
+    rl.try_acquire(path, SUPERVISOR, 1000.0)
+    clock = Clock()
+    outcome = rl.acquire(path, SECOND, timeout=6, poll_interval=2, clock=clock, sleep=clock.sleep,
+                         verdict=verdict_with({"container": "running"}))
+    assert not outcome.acquired and not outcome.broken and outcome.waited_s == 6
+    assert outcome.why == "its container glm53-self-heal is running on the head"
+    assert rl.read_state(path, clock.now).holder == SUPERVISOR
+
+
+def test_a_holder_that_dies_while_waited_for_is_broken_then(tmp_path: Path) -> None:
+    path = str(tmp_path / "run.lock")
+    rl.try_acquire(path, SUPERVISOR, 1000.0)
+    clock = Clock()
+    container: Dict[str, Optional[str]] = {"container": "running"}
+
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        if clock.now >= 1004:
+            container["container"] = "absent"  # `docker rm -f glm53-self-heal` mid-recovery
+
+    outcome = rl.acquire(path, SECOND, timeout=1800, poll_interval=2, clock=clock, sleep=sleep,
+                         verdict=verdict_with(container))
+    assert outcome.acquired and outcome.broken and outcome.waited_s == 4
+    assert rl.read_state(path, clock.now).holder == SECOND
+
+
+def test_breaking_spares_a_lock_the_same_token_took_anew(tmp_path: Path) -> None:
+    # The supervisor's token is fixed: a restarted supervisor may have taken the lock since it was judged gone.
+    path = str(tmp_path / "run.lock")
+    rl.try_acquire(path, replace(SUPERVISOR, since=2000.0, boot_id="boot-2"), 2000.0)
+    assert not rl.break_if_held_by(path, SUPERVISOR.token, 2001.0, expected=SUPERVISOR)
+    assert rl.read_state(path, 2001.0).held
+    anew = replace(SUPERVISOR, since=2000.0, boot_id="boot-2")
+    assert rl.break_if_held_by(path, SUPERVISOR.token, 2001.0, expected=anew)
+
+
+# --------------------------------------------------------------------------- the real cause when it cannot be made
+
+
+def root_dir(_path: str) -> os.stat_result:
+    # A directory dockerd created: root's, 0755 (the stat is injected so the test means the same run as any user).
+    return os.stat_result((stat.S_IFDIR | 0o755, 1, 1, 2, 0, 0, 4096, 0, 0, 0))
+
+
+def test_a_lock_that_cannot_be_made_names_the_directory_its_owner_and_the_fix() -> None:
+    lock = "/home/spark/.cache/glm53/run.lock"
+    seen: List[str] = []
+
+    def stat_of(path: str) -> os.stat_result:
+        seen.append(path)
+        return root_dir(path)
+
+    exc = PermissionError(errno.EACCES, "Permission denied", lock)
+    text = rl.explain_os_error(lock, exc, 1000, "spark", stat=stat_of)
+    assert seen == ["/home/spark/.cache/glm53"]
+    assert text.startswith("cannot create the run lock %s: permission denied on /home/spark/.cache/glm53 "
+                           "(owned by uid 0" % lock)
+    assert "mode 755; this run is uid 1000 (spark))" in text and "as root" in text
+    assert text.endswith("Fix: sudo chown -R spark /home/spark/.cache/glm53")
+    assert "nobody" not in text
+
+
+def test_a_missing_cache_under_a_root_owned_parent_names_that_parent() -> None:
+    exc = PermissionError(errno.EACCES, "Permission denied", "/home/spark/.cache/glm53")
+    text = rl.explain_os_error("/home/spark/.cache/glm53/run.lock", exc, 1000, "spark", stat=root_dir)
+    assert "permission denied on /home/spark/.cache (" in text and text.endswith("sudo chown -R spark /home/spark/.cache")
+
+
+def test_other_errors_are_reported_as_they_are() -> None:
+    exc = NotADirectoryError(errno.ENOTDIR, "Not a directory", "/x/run.lock")
+    assert rl.explain_os_error("/x/run.lock", exc, 1000, "spark") == (
+        "cannot create the run lock /x/run.lock: [Errno 20] Not a directory: '/x/run.lock'")
