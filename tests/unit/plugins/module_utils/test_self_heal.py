@@ -333,6 +333,28 @@ def test_a_lock_left_by_a_killed_supervisor_is_taken_back_at_start(cluster: Fake
     assert not run_lock.read_state(sup.cfg.lock_path, cluster.now).held
 
 
+def test_the_lock_a_recovery_takes_records_the_boot_and_the_container(cluster: FakeCluster, tmp_path: Path) -> None:
+    # What a site.yml run needs to tell this holder is gone: the head's boot id and the supervisor's container.
+    sup, _lines = supervisor(cluster, tmp_path)
+    sup.cfg = sh.SupervisorConfig.from_dict(dict(
+        url=sup.cfg.url, served_model_name="m", state_path=sup.cfg.state_path, lock_path=sup.cfg.lock_path,
+        lock_token=sup.cfg.lock_token, container="glm53-self-heal", policy={"poll_s": 10, "ready_timeout_s": 60},
+        ranks=[{"rank": 0, "node": "spark1", "container": "glm53-rank0", "ssh": None},
+               {"rank": 1, "node": "spark2", "container": "glm53-rank1", "ssh": "root@10.0.0.2"}]))
+    sup.boot_id = lambda: "boot-1"
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    seen: List[Optional[run_lock.Holder]] = []
+    original = sup.recover
+
+    def recover() -> Tuple[bool, str]:
+        seen.append(run_lock.read_state(sup.cfg.lock_path, cluster.now).holder)
+        return original()
+
+    sup.recover = recover  # type: ignore[method-assign]
+    assert sup.poll().action == sh.ACTION_RECOVER
+    assert [(h.token, h.boot_id, h.container) for h in seen if h] == [("glm53-self-heal", "boot-1", "glm53-self-heal")]
+
+
 def test_an_unreachable_worker_is_waited_for_then_the_group_recovers(cluster: FakeCluster, tmp_path: Path) -> None:
     sup, _lines = supervisor(cluster, tmp_path)
     cluster.reachable = False
