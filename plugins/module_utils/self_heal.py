@@ -7,7 +7,10 @@ API's /health, the run lock) and of the state kept on the head's disk; it answer
 or "give up". ``Supervisor`` is the loop around it, with its I/O (commands, HTTP, clock, sleep) injected as
 in ``health.py``, so tests drive it without docker or SSH. A recovery restarts the WHOLE group in order:
 every rank stopped (a TP group cannot re-form around a survivor), every worker started, then the head,
-then the same wait and canary as the ``health`` stage, bounded by ``glm53_ready_timeout``.
+then the same wait and canary as the ``health`` stage, bounded by ``glm53_ready_timeout``. Between the stop
+and the first start, every node's clean page cache is dropped and its memory judged with preflight's own
+budget (``memory_budget.plan_memory``): on a GB10 a crashed rank leaves its checkpoint in page cache that
+CUDA does not get back, so a restart without the drop fails. A budget that does not fit starts nothing.
 
 The state lives in a JSON file that the loop re-reads on every poll, so the playbooks can change it
 (``stop.yml`` writes ``stopped``; ``site.yml`` clears ``given_up``) and a reboot keeps it.
@@ -25,7 +28,7 @@ import urllib.parse
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ansible_collections.sparkops.glm53.plugins.module_utils import run_lock
+from ansible_collections.sparkops.glm53.plugins.module_utils import memory_budget, run_lock
 from ansible_collections.sparkops.glm53.plugins.module_utils.health import (
     Canary,
     ContainerState,
@@ -201,10 +204,14 @@ def decide(obs: Observation, state: State, policy: Policy) -> Decision:
         state.attempts + 1, policy.max_attempts, trigger)), trigger)
 
 
-def record_recovery(state: State, trigger: str, started: float, ended: float, ok: bool, detail: str) -> State:
-    """The state after one recovery ran (its attempt already counted when it started)."""
-    entry = {"trigger": trigger, "started": round(started, 3), "seconds": round(ended - started, 1), "ok": ok,
-             "detail": detail}
+def record_recovery(state: State, trigger: str, started: float, ended: float, ok: bool, detail: str,
+                    memory: Optional[Sequence[Mapping[str, Any]]] = None) -> State:
+    """The state after one recovery ran (its attempt already counted when it started); ``memory`` is its
+    memory step's report per node, kept with it so status shows a drop that was skipped."""
+    entry: Dict[str, Any] = {"trigger": trigger, "started": round(started, 3), "seconds": round(ended - started, 1),
+                             "ok": ok, "detail": detail}
+    if memory:
+        entry["memory"] = [dict(item) for item in memory]
     recoveries = (state.recoveries + [entry])[-RECOVERIES_KEPT:]
     if ok:
         return replace(state, phase=PHASE_WATCHING, reason="serving", healthy_since=ended, api_down_since=None,
@@ -243,7 +250,120 @@ def summary(state: State) -> str:
         text += " | last recovery %s at %s took %s s (%s)" % (
             "ok" if last.get("ok") else "FAILED", _stamp(last.get("started")), last.get("seconds"),
             last.get("trigger", "?"))
+        skipped = [str(item.get("node")) for item in last.get("memory") or []
+                   if isinstance(item, Mapping) and item.get("drop") == "skipped"]
+        if skipped:
+            text += " | page cache NOT dropped before it on %s (why: state.json, recoveries[-1].memory)" % (
+                ", ".join(skipped))
     return text
+
+
+# --------------------------------------------------------------------------- memory before a restart
+
+
+def _flag(value: Any) -> bool:
+    """A bool from JSON that Ansible rendered: true/false, or their words."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "yes", "on", "1")
+    return bool(value)
+
+
+def budget_request(data: Mapping[str, Any]) -> memory_budget.BudgetRequest:
+    """roles/glm53/vars/main.yml's _glm53_memory_request for one node, as install.yml wrote it."""
+    return memory_budget.BudgetRequest(
+        gpu=_flag(data["gpu"]), gpu_memory_utilization=float(data["gpu_memory_utilization"]),
+        kv_cache_memory_bytes=int(data.get("kv_cache_memory_bytes") or 0),
+        max_model_len=int(data.get("max_model_len") or 0), weights_bytes=int(data.get("weights_bytes") or 0),
+        overhead_bytes=int(data.get("overhead_bytes") or 0),
+        kv_bytes_per_token=int(data.get("kv_bytes_per_token") or 0),
+        reserve_bytes=int(data.get("reserve_bytes") or 0))
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """One node's memory step before a restart: preflight's budget request, and how to drop its page cache."""
+
+    request: memory_budget.BudgetRequest
+    # The root-owned drop script (through `sudo -n` unless the SSH user is root); empty when there is none.
+    drop_argv: Tuple[str, ...] = ()
+    # Why there is none although glm53_drop_page_cache is on (install.yml could not become root there).
+    drop_refused: str = ""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "NodeMemory":
+        return cls(request=budget_request(data["request"]), drop_argv=tuple(str(a) for a in data.get("drop") or ()),
+                   drop_refused=str(data.get("drop_refused") or ""))
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    drop_page_cache: bool
+    nodes: Mapping[str, NodeMemory]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "MemoryConfig":
+        nodes = data.get("nodes") or {}
+        return cls(drop_page_cache=_flag(data.get("drop_page_cache")),
+                   nodes={str(node): NodeMemory.from_dict(item) for node, item in nodes.items()})
+
+
+@dataclass(frozen=True)
+class NodeMemoryReport:
+    """What the memory step found on one node."""
+
+    node: str
+    drop: memory_budget.DropOutcome
+    problems: Tuple[str, ...]
+    line: str
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"node": self.node, "drop": self.drop.status, "drop_reason": self.drop.reason,
+                "problems": list(self.problems), "summary": self.line}
+
+
+def judge_node_memory(node: str, spec: NodeMemory, drop_page_cache: bool, drop: memory_budget.DropOutcome
+                      ) -> NodeMemoryReport:
+    """The preflight budget (memory.yml's) on what the node has after the drop: a drop that ran shows in the
+    meminfo read after it, and one that was skipped must not be counted as done."""
+    mem = drop.after or drop.before
+    request = replace(spec.request, page_cache_dropped=False)
+    budget = memory_budget.plan_memory(mem, request)
+    line = memory_budget.summary(node, mem, request, budget)
+    if drop_page_cache:
+        line += "; " + drop.describe()
+    return NodeMemoryReport(node, drop, tuple(budget.problems), line)
+
+
+def memory_failure(reports: Sequence[NodeMemoryReport]) -> str:
+    """The recovery's failure when some node's memory cannot take its rank: node, what it has against what
+    the settings ask, and the fix; empty when every node fits."""
+    parts = []
+    for report in reports:
+        if not report.problems:
+            continue
+        text = "on node %s, %s" % (report.node, " | ".join(report.problems))
+        if report.drop.status == "skipped":
+            text += " (page cache not dropped: %s)" % report.drop.reason
+        parts.append(text)
+    if not parts:
+        return ""
+    nodes = ", ".join(r.node for r in reports if r.problems)
+    return ("not starting the ranks, the memory settings do not fit: %s. Fix: free memory on %s (what else runs "
+            "there: free -g, docker ps, ps aux --sort=-rss), or change the setting named and re-run site.yml; the "
+            "supervisor checks again after its back-off" % ("; ".join(parts), nodes))
+
+
+def memory_plan(memory: Optional[MemoryConfig]) -> str:
+    """The supervisor's first log line about memory: what it will do before a restart, node by node."""
+    if memory is None:
+        return "before a restart: no memory check (a config from before it; re-run site.yml)"
+    if not memory.drop_page_cache:
+        return "before a restart: every node's memory judged with the start budget; no page-cache drop " \
+               "(glm53_drop_page_cache false)"
+    nodes = ["%s: `%s`" % (node, " ".join(spec.drop_argv)) if spec.drop_argv else
+             "%s: SKIPPED (%s)" % (node, spec.drop_refused or "no drop command") for node, spec in memory.nodes.items()]
+    return "before a restart: page cache dropped (%s), then every node's memory judged with the start budget" % (
+        "; ".join(nodes))
 
 
 # --------------------------------------------------------------------------- the loop
@@ -266,17 +386,25 @@ class SupervisorConfig:
     canary: Canary = field(default_factory=Canary)
     log_tail: int = 40
     command_timeout: float = 60.0
+    # The page-cache drop and memory budget before a restart; None (a config from before it) skips the step.
+    memory: Optional[MemoryConfig] = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SupervisorConfig":
-        return cls(url=str(data["url"]), served_model_name=str(data["served_model_name"]),
-                   ranks=sorted((Rank.from_dict(r) for r in data["ranks"]), key=lambda r: r.rank),
-                   state_path=str(data["state_path"]), lock_path=str(data["lock_path"]),
-                   lock_token=str(data["lock_token"]),
-                   owner=str(data.get("owner") or "glm53 self-healing supervisor"),
-                   container=str(data.get("container") or ""),
-                   policy=Policy.from_dict(data.get("policy") or {}), canary=Canary.from_dict(data.get("canary")),
-                   log_tail=int(data.get("log_tail", cls.log_tail)))
+        config = cls(url=str(data["url"]), served_model_name=str(data["served_model_name"]),
+                     ranks=sorted((Rank.from_dict(r) for r in data["ranks"]), key=lambda r: r.rank),
+                     state_path=str(data["state_path"]), lock_path=str(data["lock_path"]),
+                     lock_token=str(data["lock_token"]),
+                     owner=str(data.get("owner") or "glm53 self-healing supervisor"),
+                     container=str(data.get("container") or ""),
+                     policy=Policy.from_dict(data.get("policy") or {}), canary=Canary.from_dict(data.get("canary")),
+                     log_tail=int(data.get("log_tail", cls.log_tail)),
+                     memory=MemoryConfig.from_dict(data["memory"]) if data.get("memory") else None)
+        missing = [r.node for r in config.ranks if config.memory and r.node not in config.memory.nodes]
+        if missing:
+            raise ValueError("the supervisor's config has no memory budget for node(s) %s: re-run site.yml"
+                             % ", ".join(missing))
+        return config
 
 
 def load_state(path: str) -> State:
@@ -314,6 +442,8 @@ class Supervisor:
         self.wall = wall
         self.boot_id = boot_id
         self.last_logged = ""
+        # The memory step's report of the recovery in progress (kept with it in the state file).
+        self.memory_report: List[NodeMemoryReport] = []
 
     @property
     def head(self) -> Rank:
@@ -361,10 +491,63 @@ class Supervisor:
                 return item.split("=", 1)[1] or None
         return None
 
+    def read_meminfo(self, rank: Rank) -> memory_budget.MemInfo:
+        """The node's /proc/meminfo, read where the rank runs; raises ValueError saying why it could not."""
+        rc, out, err = self.io.run(remote_argv(["cat", "/proc/meminfo"], rank.ssh), self.cfg.command_timeout, False)
+        if rc != 0:
+            raise ValueError("cannot read /proc/meminfo on node %s (exit %d): %s"
+                             % (rank.node, rc, " ".join((err or out).split())[:300]))
+        try:
+            return memory_budget.parse_meminfo(out)
+        except ValueError as exc:
+            raise ValueError("node %s: %s" % (rank.node, exc)) from exc
+
+    def drop_page_cache(self, rank: Rank, spec: NodeMemory) -> memory_budget.DropOutcome:
+        """Run the node's drop script (its one root right) and read memory again; a refusal is `skipped`."""
+        memory = self.cfg.memory
+        before = self.read_meminfo(rank)
+        if memory is None or not memory.drop_page_cache:
+            return memory_budget.DropOutcome("not asked", "glm53_drop_page_cache is false", before)
+        if not spec.drop_argv:
+            return memory_budget.DropOutcome("skipped", spec.drop_refused or "no drop command configured", before)
+        rc, detail = self.command(rank, *spec.drop_argv)
+        command = " ".join(spec.drop_argv)
+        if rc != 0:
+            return memory_budget.DropOutcome("skipped", (
+                "`%s` failed (exit %d: %s); the supervisor runs as the SSH user and its only root right is that "
+                "script (roles/self_heal installs it and its sudoers drop-in with become): re-run site.yml with "
+                "become working on %s, or set glm53_drop_page_cache=false"
+                % (command, rc, detail or "no output", rank.node)), before)
+        return memory_budget.DropOutcome("dropped", "ran " + command, before, self.read_meminfo(rank))
+
+    def free_memory(self) -> str:
+        """With every rank stopped: drop each node's clean page cache and judge its memory with preflight's
+        budget. Every node is checked, so the failure names them all; empty when each one fits."""
+        self.memory_report = []
+        if self.cfg.memory is None:
+            return ""
+        for rank in self.cfg.ranks:
+            spec = self.cfg.memory.nodes[rank.node]
+            try:
+                drop = self.drop_page_cache(rank, spec)
+            except ValueError as exc:
+                return "not starting the ranks: %s" % exc
+            report = judge_node_memory(rank.node, spec, self.cfg.memory.drop_page_cache, drop)
+            self.memory_report.append(report)
+            self.log("memory: " + report.line)
+        return memory_failure(self.memory_report)
+
     def recover(self) -> Tuple[bool, str]:
-        """Stop every rank, start the workers, then the head, then wait for the API and the canary."""
+        """Stop every rank, free and judge memory, start the workers, then the head, then wait for the API and
+        the canary."""
         key = self.api_key()
         self.stop_group()
+        # Memory that does not fit is retried after the back-off, not given up at once: a stopped engine's
+        # memory (on a GB10 the driver's unified-memory teardown) and another program's use can be gone by
+        # then, and the check costs no engine start. A lasting shortage ends in given_up with this reason.
+        no_room = self.free_memory()
+        if no_room:
+            return False, no_room
         for rank in self.cfg.ranks[1:] + self.cfg.ranks[:1]:
             rc, detail = self.command(rank, "docker", "start", rank.container)
             if rc != 0:
@@ -400,7 +583,8 @@ class Supervisor:
             run_lock.release(self.cfg.lock_path, self.cfg.lock_token, self.wall())
         ended = self.wall()
         self.log("recovery %s after %.1f s: %s" % ("succeeded" if ok else "FAILED", ended - started, detail))
-        return record_recovery(state, decision.trigger, started, ended, ok, detail)
+        return record_recovery(state, decision.trigger, started, ended, ok, detail,
+                               [report.as_dict() for report in self.memory_report])
 
     def poll(self) -> Decision:
         state = load_state(self.cfg.state_path)

@@ -16,6 +16,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.self_heal import (
     Supervisor,
     SupervisorConfig,
     http_client,
+    memory_plan,
 )
 
 
@@ -37,6 +38,7 @@ def main(argv: Sequence[str]) -> int:
         config = SupervisorConfig.from_dict(json.load(handle))
     signal.signal(signal.SIGTERM, stop)
     log("watching %d rank(s), API %s, state %s" % (len(config.ranks), config.url, config.state_path))
+    log(memory_plan(config.memory))
     Supervisor(config, HealthIO(run=subprocess_runner, http=http_client), log).run()
     return 0
 

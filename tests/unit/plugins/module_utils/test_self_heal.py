@@ -402,3 +402,195 @@ def test_http_client_talks_to_a_real_server_without_ansible() -> None:
         server.server_close()
     refused = sh.http_client("GET", base + "/health", {}, None, 5)
     assert refused.status == 0 and "ConnectionRefusedError" in refused.error
+
+
+# --------------------------------------------------------------------------- memory before a restart (GB10)
+
+GIB = 1 << 30
+DROP = ("sudo", "-n", "/usr/local/sbin/glm53-drop-caches")
+# roles/glm53/vars/main.yml's request on a GB10 rank: 0.85 of 121 GiB asks for 102.9 GiB, 4 GiB kept for the OS.
+GB10_REQUEST = {"gpu": "True", "gpu_memory_utilization": "0.85", "kv_cache_memory_bytes": "0",
+                "max_model_len": "200000", "weights_bytes": str(82 * GIB), "overhead_bytes": str(5 * GIB),
+                "kv_bytes_per_token": "17014", "reserve_bytes": str(4 * GIB)}
+# The simulation's: a CPU node judged by MemAvailable alone (glm53_gpu false, utilization 0.2).
+SIM_REQUEST = {"gpu": False, "gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 0, "max_model_len": 1024,
+               "weights_bytes": 3_000_000, "overhead_bytes": 0, "kv_bytes_per_token": 0, "reserve_bytes": 0}
+
+
+class GB10Cluster(FakeCluster):
+    """FakeCluster whose nodes also answer `cat /proc/meminfo` and the drop script. Each node is a GB10 after a
+    crash: 121 GiB, MemAvailable 110 GiB of which 82 GiB is the checkpoint's clean page cache (1 GiB of it
+    mapped, so it stays). A drop empties the cache down to the mapped pages, unless the node refuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory = {node: {"total": 121 * GIB, "available": 110 * GIB, "cache": 82 * GIB, "mapped": 1 * GIB}
+                       for node in ("spark1", "spark2")}
+        self.refuse: Dict[str, Tuple[int, str]] = {}
+
+    def meminfo(self, node: str) -> str:
+        mem = self.memory[node]
+        kib = {"MemTotal": mem["total"], "MemFree": max(0, mem["available"] - mem["cache"]), "MemAvailable": mem["available"],
+               "Active(file)": mem["cache"] // 2, "Inactive(file)": mem["cache"] - mem["cache"] // 2,
+               "Mapped": mem["mapped"]}
+        return "".join("%s: %d kB\n" % (name, value // 1024) for name, value in kib.items())
+
+    def run(self, argv: Sequence[str], timeout: float, merge: bool) -> Tuple[int, str, str]:
+        node, command = "spark1", list(argv)
+        if argv[0] == "ssh":
+            if not self.reachable:
+                return 255, "", "ssh: connect to host 10.0.0.2 port 22: No route to host"
+            node, command = "spark2", shlex.split(argv[-1])
+        if command == ["cat", "/proc/meminfo"]:
+            return 0, self.meminfo(node), ""
+        if tuple(command) == DROP:
+            self.commands.append((node, "drop", "page cache"))
+            if node in self.refuse:
+                rc, err = self.refuse[node]
+                return rc, "", err
+            self.memory[node]["cache"] = self.memory[node]["mapped"]
+            return 0, "", ""
+        return super().run(argv, timeout, merge)
+
+
+def memory_supervisor(cluster: GB10Cluster, tmp_path: Path, request: Dict[str, object], drop: bool = True,
+                      refused: str = "", **policy: float) -> Tuple[sh.Supervisor, List[str]]:
+    sup, lines = supervisor(cluster, tmp_path, **policy)
+    sup.cfg.memory = sh.MemoryConfig.from_dict({"drop_page_cache": drop, "nodes": {
+        node: {"request": request, "drop": [] if refused else list(DROP), "drop_refused": refused}
+        for node in ("spark1", "spark2")}})
+    return sup, lines
+
+
+def test_a_recovery_drops_every_nodes_page_cache_before_any_rank_starts(tmp_path: Path) -> None:
+    cluster = GB10Cluster()
+    sup, lines = memory_supervisor(cluster, tmp_path, GB10_REQUEST)
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    assert sup.poll().action == sh.ACTION_RECOVER
+    # Stopped, then dropped on both nodes (the worker through ssh), and only then started.
+    assert cluster.commands == [("spark1", "stop", "glm53-rank0"), ("spark2", "stop", "glm53-rank1"),
+                                ("spark1", "drop", "page cache"), ("spark2", "drop", "page cache"),
+                                ("spark2", "start", "glm53-rank1"), ("spark1", "start", "glm53-rank0")]
+    last = sh.load_state(sup.cfg.state_path).recoveries[-1]
+    assert last["ok"] and [(m["node"], m["drop"], m["problems"]) for m in last["memory"]] == [
+        ("spark1", "dropped", []), ("spark2", "dropped", [])]
+    assert "page cache dropped: 82.0 GiB -> 1.0 GiB; CUDA-usable 28.0 GiB -> 109.0 GiB" in last["memory"][1]["summary"]
+    assert any(line.startswith("memory: spark2: 109.0 GiB CUDA-usable now") for line in lines)
+
+
+def test_a_refused_drop_is_recorded_as_skipped_and_a_budget_that_still_fits_recovers(tmp_path: Path) -> None:
+    # The simulation's case: its nodes' /proc/sys is read-only, and a CPU node's cache counts as available.
+    cluster = GB10Cluster()
+    cluster.refuse["spark2"] = (2, "/usr/local/sbin/glm53-drop-caches: 4: cannot create /proc/sys/vm/drop_caches: "
+                                   "Read-only file system")
+    sup, _lines = memory_supervisor(cluster, tmp_path, SIM_REQUEST)
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    assert sup.poll().action == sh.ACTION_RECOVER
+    state = sh.load_state(sup.cfg.state_path)
+    assert state.phase == sh.PHASE_WATCHING and state.recoveries[-1]["ok"]
+    worker = state.recoveries[-1]["memory"][1]
+    assert worker["drop"] == "skipped" and "Read-only file system" in worker["drop_reason"]
+    assert "re-run site.yml with become working on spark2, or set glm53_drop_page_cache=false" in worker["drop_reason"]
+    assert "page cache NOT dropped before it on spark2" in sh.summary(state)
+    assert ("spark2", "start", "glm53-rank1") in cluster.commands
+
+
+def test_a_refused_drop_on_a_gb10_starts_nothing_and_says_which_node_and_why(tmp_path: Path) -> None:
+    cluster = GB10Cluster()
+    cluster.refuse["spark2"] = (1, "sudo: a password is required")
+    sup, _lines = memory_supervisor(cluster, tmp_path, GB10_REQUEST)
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    sup.poll()
+    assert not [c for c in cluster.commands if c[1] == "start"]
+    last = sh.load_state(sup.cfg.state_path).recoveries[-1]
+    assert not last["ok"]
+    assert last["detail"].startswith(
+        "not starting the ranks, the memory settings do not fit: on node spark2, glm53_gpu_memory_utilization=0.85 "
+        "asks for 102.9 GiB of 121.0 GiB, but this node has 28.0 GiB that CUDA can take")
+    assert "(page cache not dropped: `sudo -n /usr/local/sbin/glm53-drop-caches` failed (exit 1: sudo: a password " \
+           "is required)" in last["detail"]
+    assert "Fix: free memory on spark2" in last["detail"] and "spark1," not in last["detail"]
+
+
+def test_memory_that_never_fits_backs_off_then_gives_up_with_node_sizes_and_fix(tmp_path: Path) -> None:
+    cluster = GB10Cluster()
+    # Another program holds 50 GiB on the head: even with its cache dropped, 59 GiB is what CUDA can take.
+    cluster.memory["spark1"].update(available=60 * GIB, cache=40 * GIB)
+    sup, _lines = memory_supervisor(cluster, tmp_path, GB10_REQUEST, backoff_s=30, max_attempts=3)
+    cluster.status["glm53-rank0"] = ("exited", 137)
+    actions = []
+    while sh.ACTION_GIVE_UP not in actions and len(actions) < 100:
+        actions.append(sup.poll().action)
+        cluster.sleep(10)
+    assert actions.count(sh.ACTION_RECOVER) == 3 and actions[-1] == sh.ACTION_GIVE_UP
+    assert not [c for c in cluster.commands if c[1] == "start"], "no rank may start on memory that does not fit"
+    state = sh.load_state(sup.cfg.state_path)
+    assert state.phase == sh.PHASE_GIVEN_UP
+    assert "gave up after 3 recoveries in a row" in state.reason
+    assert ("last recovery: not starting the ranks, the memory settings do not fit: on node spark1, "
+            "glm53_gpu_memory_utilization=0.85 asks for 102.9 GiB of 121.0 GiB, but this node has 59.0 GiB that CUDA "
+            "can take") in state.reason
+    assert "at most 0.45 fits" in state.reason and "Fix: free memory on spark1" in state.reason
+
+
+def test_without_glm53_drop_page_cache_nothing_is_dropped_and_the_cache_counts_against_cuda(tmp_path: Path) -> None:
+    cluster = GB10Cluster()
+    sup, _lines = memory_supervisor(cluster, tmp_path, GB10_REQUEST, drop=False)
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    sup.poll()
+    assert not [c for c in cluster.commands if c[1] in ("drop", "start")]
+    memory = sh.load_state(sup.cfg.state_path).recoveries[-1]["memory"]
+    assert [m["drop"] for m in memory] == ["not asked", "not asked"] and all(m["problems"] for m in memory)
+
+
+def test_a_drop_install_could_not_grant_is_skipped_with_installs_reason(tmp_path: Path) -> None:
+    cluster = GB10Cluster()
+    sup, _lines = memory_supervisor(cluster, tmp_path, SIM_REQUEST, refused="become failed (sudo: a password is "
+                                                                            "required) when site.yml installed it")
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    sup.poll()
+    assert not [c for c in cluster.commands if c[1] == "drop"]
+    memory = sh.load_state(sup.cfg.state_path).recoveries[-1]["memory"]
+    assert memory[0]["drop"] == "skipped" and memory[0]["drop_reason"].startswith("become failed")
+
+
+def test_a_node_whose_memory_cannot_be_read_starts_nothing(tmp_path: Path) -> None:
+    cluster = GB10Cluster()
+    sup, _lines = memory_supervisor(cluster, tmp_path, SIM_REQUEST)
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    cluster.meminfo = lambda node: "MemTotal: 1 kB\n"  # type: ignore[method-assign]
+    sup.poll()
+    last = sh.load_state(sup.cfg.state_path).recoveries[-1]
+    assert not last["ok"] and last["detail"].startswith("not starting the ranks: node spark1: /proc/meminfo lacks")
+    assert not [c for c in cluster.commands if c[1] == "start"]
+
+
+def test_the_memory_section_of_the_config_install_yml_writes() -> None:
+    base = {"url": "http://127.0.0.1:8888", "served_model_name": "m", "state_path": "/s", "lock_path": "/l",
+            "lock_token": "t", "ranks": [{"rank": 0, "node": "spark1", "container": "glm53-rank0"},
+                                         {"rank": 1, "node": "spark2", "container": "glm53-rank1", "ssh": "s@h"}]}
+    assert sh.SupervisorConfig.from_dict(base).memory is None  # a config from before the memory step
+    nodes = {"spark1": {"request": GB10_REQUEST, "drop": ["/usr/local/sbin/glm53-drop-caches"]},
+             "spark2": {"request": GB10_REQUEST, "drop": [], "drop_refused": "become failed"}}
+    config = sh.SupervisorConfig.from_dict(dict(base, memory={"drop_page_cache": "True", "nodes": nodes}))
+    assert config.memory is not None and config.memory.drop_page_cache
+    head = config.memory.nodes["spark1"]
+    assert head.drop_argv == ("/usr/local/sbin/glm53-drop-caches",) and head.request.gpu is True
+    assert (head.request.gpu_memory_utilization, head.request.weights_bytes) == (0.85, 82 * GIB)
+    assert config.memory.nodes["spark2"].drop_refused == "become failed"
+    assert not sh.MemoryConfig.from_dict({"drop_page_cache": "false", "nodes": {}}).drop_page_cache
+    with pytest.raises(ValueError, match="no memory budget for node.s. spark2: re-run site.yml"):
+        sh.SupervisorConfig.from_dict(dict(base, memory={"drop_page_cache": True,
+                                                         "nodes": {"spark1": nodes["spark1"]}}))
+
+
+def test_the_supervisor_says_at_start_what_it_does_about_memory() -> None:
+    assert "no memory check" in sh.memory_plan(None)
+    request = sh.budget_request(SIM_REQUEST)
+    off = sh.MemoryConfig(False, {"spark1": sh.NodeMemory(request)})
+    assert sh.memory_plan(off).endswith("no page-cache drop (glm53_drop_page_cache false)")
+    on = sh.MemoryConfig(True, {"spark1": sh.NodeMemory(request, DROP),
+                                "spark2": sh.NodeMemory(request, (), "become failed")})
+    assert sh.memory_plan(on) == ("before a restart: page cache dropped (spark1: `sudo -n /usr/local/sbin/glm53-drop-"
+                                  "caches`; spark2: SKIPPED (become failed)), then every node's memory judged with "
+                                  "the start budget")
