@@ -52,8 +52,8 @@ def _playbook(out: Path) -> list:
                  {"item": {"name": "model"}, "total_bytes": 164 * GIB},
                  {"item": {"name": "draft"}, "total_bytes": 3 * GIB}]}},
              "when": "inventory_hostname == 'spark-head'"},
-            {"name": "The drop right", "ansible.builtin.import_role": {"name": "sparkops.glm53.self_heal",
-                                                                      "tasks_from": "privilege.yml"}},
+            {"name": "The drop right",
+             "ansible.builtin.import_role": {"name": "sparkops.glm53.self_heal", "tasks_from": "privilege.yml"}},
             {"name": "Write what install.yml puts in the supervisor's config", "run_once": True, "check_mode": False,
              "ansible.builtin.copy": {"dest": str(out), "mode": "0644", "content": "{{ memory | to_nice_json }}"},
              "vars": {"memory": _install_task("Write the supervisor's configuration")["vars"]["_self_heal_settings"][
