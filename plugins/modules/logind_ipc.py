@@ -127,7 +127,12 @@ def _lingers(module: AnsibleModule, root: str, user: str, notes: list[str]) -> b
         return False
     except OSError as exc:
         notes.append(f"cannot read {path} ({exc.strerror}); asked loginctl instead")
-    rc, out, err = module.run_command(["loginctl", "show-user", user, "--property=Linger", "--value"])
+    try:
+        rc, out, err = module.run_command(["loginctl", "show-user", user, "--property=Linger", "--value"],
+                                          handle_exceptions=False)
+    except OSError as exc:
+        notes.append(f"loginctl: {exc.strerror}; judged as not lingering")
+        return False
     if rc != 0:
         # Not logged in and not lingering is an error for loginctl; anything else leaves it unknown.
         notes.append(f"loginctl show-user {user}: {(err or out).strip()}")
