@@ -36,6 +36,8 @@ def test_the_setting_offers_what_the_overlay_accepts():
 
 def test_the_inductor_cache_is_on_the_mounted_vllm_cache():
     container = (REPO / "roles/vllm_ranks/tasks/container.yml").read_text()
-    mount = re.search(r"_glm53_cache_dir ~ '/vllm:(/[^']+)'", container)
+    mounted = yaml.safe_load((REPO / "roles/vllm_ranks/vars/main.yml").read_text())["_vllm_ranks_mounted_dirs"]
+    index = mounted.index("{{ _glm53_cache_dir }}/vllm")
+    mount = re.search(r"_vllm_ranks_mounted_dirs\[%d\] ~ ':(/[^']+)'" % index, container)
     assert mount, "the rank container no longer mounts ~/.cache/glm53/vllm"
     assert ENV_COMMON["TORCHINDUCTOR_CACHE_DIR"].startswith(mount.group(1) + "/")
