@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Callable, List, Optional, Sequence
+from typing import IO, Callable, List, Sequence
 
 CHUNK = 1 << 20
 # ssh gives up on a silent peer after ServerAliveInterval x ServerAliveCountMax seconds.
@@ -55,11 +55,11 @@ class Policy:
 
     def errors(self) -> List[str]:
         problems = []
-        if not self.stall_timeout_s > 0:
+        if self.stall_timeout_s <= 0:
             problems.append("stall_timeout must be > 0 (got %r)" % self.stall_timeout_s)
         if self.attempts < 1:
             problems.append("attempts must be >= 1 (got %r)" % self.attempts)
-        if not self.timeout_s > 0:
+        if self.timeout_s <= 0:
             problems.append("timeout must be > 0 (got %r)" % self.timeout_s)
         return problems
 
@@ -195,7 +195,7 @@ def run_once(stages: Sequence[Stage], number: int, stall_timeout_s: float, deadl
         with lock:
             last[0] = now
 
-    errs = [tempfile.TemporaryFile() for _ in stages]
+    errs = [tempfile.TemporaryFile() for stage in stages]
     out = tempfile.TemporaryFile()
     procs: List[subprocess.Popen] = []
     pumps: List[_Pump] = []

@@ -54,8 +54,8 @@ def test_a_ship_arrives_whole_and_reports_time_bytes_and_attempts(tmp_path: Path
 
 
 @needs_zstd
-def test_a_destination_that_stalls_every_time_fails_naming_the_stall(tmp_path: Path,
-                                                                      run_module: ModuleRunner) -> None:
+def test_a_destination_that_stalls_every_time_fails_naming_the_stall(
+        tmp_path: Path, run_module: ModuleRunner) -> None:
     # Incompressible, so the compressed stream is larger than the pipes between here and the stalled load.
     env = stand_ins(tmp_path, "sleep 60", data="os.urandom(%d)" % N)
     result = run_module("image_ship", dict(ARGS, hint="Raise glm53_image_ship_stall_timeout."), env=env)
