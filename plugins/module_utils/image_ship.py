@@ -4,7 +4,8 @@
 
 The old ship was one shell pipe with no timeout: a link that stalled hung the run while it held the run lock.
 Here the module itself sits between the stages and copies every byte (save -> zstd, zstd -> ssh), so it knows
-how much moved, raw and on the wire, and when nothing moved for `stall_timeout_s`: then it kills every stage
+how much moved, raw and on the wire, and when nothing moved for `stall_timeout_s` once the first byte came out of
+`docker image save`: then it kills every stage
 (each runs in its own process group, so a shell stand-in's children go too) and starts again from the first
 byte, up to `attempts` times, all within `timeout_s`.
 
@@ -226,7 +227,10 @@ def run_once(stages: Sequence[Stage], number: int, stall_timeout_s: float, deadl
         now = clock()
         with lock:
             idle = now - last[0]
-        if any(p.is_alive() for p in pumps) and idle >= stall_timeout_s:
+        # The clock starts at the producer's first byte: `docker image save` (the legacy store) exports every layer
+        # before it writes one (18 s for the simulation's 3 GB image, minutes for 20+ GB), and nothing is on the link
+        # until then. Before it only the time bound applies (ssh's ConnectTimeout covers a link that never opens).
+        if pumps and pumps[0].count and any(p.is_alive() for p in pumps) and idle >= stall_timeout_s:
             outcome, why = "stalled", "no byte moved for %.1f s" % idle
             break
         if now >= deadline:

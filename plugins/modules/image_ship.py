@@ -12,8 +12,10 @@ description:
   - Runs C(docker image save) on the target (the head, through C(delegate_to)), compresses the stream with
     C(zstd -T0), and sends it over C(ssh) to O(destination), where C(zstd -dc | docker image load) loads it.
   - The module copies every byte between the stages itself, so it counts the bytes (raw and on the wire) and
-    sees a stall, that is no byte moving for O(stall_timeout) seconds. Then it kills every stage and starts
-    again from the first byte, up to O(attempts) times, all within O(timeout) seconds.
+    sees a stall, that is no byte moving for O(stall_timeout) seconds once C(docker image save) wrote its first
+    byte (it exports every layer before that, which can take minutes for a large image; only O(timeout) bounds
+    that wait). Then it kills every stage and starts again from the first byte, up to O(attempts) times, all
+    within O(timeout) seconds.
   - C(docker image load) tags nothing until it has read the whole archive, so an interrupted ship leaves the
     destination's old image as it was.
   - ssh runs with C(BatchMode=yes), C(ConnectTimeout) and a keep-alive (C(ServerAliveInterval) x

@@ -70,12 +70,13 @@ def differing_worker(sim: Sim) -> Iterator[str]:
     original = image_id(sim, 1, IMAGE)
     assert original, "the worker has no %s; run the default scenario first" % IMAGE
     sim.sh(1, "cd /tmp && echo decoy > glm53-decoy && tar -cf - glm53-decoy | docker import - %s" % DECOY, check=True)
-    sim.sh(1, "cat > %s <<'EOF'\n%sEOF\nchmod 755 %s" % (STAND_IN, STAND_IN_TEXT, STAND_IN), check=True)
+    # /usr/local/bin belongs to root: installing the stand-in is the one step here that needs it.
+    sim.sh(1, "cat > %s <<'EOF'\n%sEOF\nchmod 755 %s" % (STAND_IN, STAND_IN_TEXT, STAND_IN), check=True, user="root")
     try:
         yield original
     finally:
         end_stalls(sim)
-        sim.sh(1, "rm -f %s %s" % (STAND_IN, STALLS))
+        sim.sh(1, "rm -f %s %s" % (STAND_IN, STALLS), user="root")
         if image_id(sim, 1, IMAGE) != original:
             sim.node(1, "docker", "tag", original, IMAGE, check=True)
         sim.node(1, "docker", "image", "rm", DECOY)

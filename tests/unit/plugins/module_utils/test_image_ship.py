@@ -89,6 +89,15 @@ def test_a_first_attempt_that_stalls_is_restarted_from_the_first_byte_and_succee
     assert result.wire_bytes_total == result.attempts[0].wire_bytes + N
 
 
+def test_a_producer_slow_to_start_is_not_a_stall(tmp_path: Path) -> None:
+    # docker image save exports every layer before its first byte: waiting for it is not a stalled link.
+    got = tmp_path / "got"
+    late = Stage("producer", [PY, "-c", "import sys, time; time.sleep(1.5); sys.stdout.buffer.write(b'x' * %d)" % N])
+    result = ship([late, copy(), consume_into(got)], FAST)
+    assert result.ok and len(result.attempts) == 1, result
+    assert got.stat().st_size == N
+
+
 def test_a_consumer_that_exits_nonzero_is_named_with_its_code_and_its_stderr() -> None:
     failing = Stage("ssh spark@10.0.0.2 'zstd -dc | docker image load'",
                     ["sh", "-c", "cat > /dev/null; echo 'Error: unexpected EOF' >&2; exit 3"])
