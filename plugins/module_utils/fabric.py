@@ -209,15 +209,16 @@ def _numeric_children(path: Path) -> list[int]:
         return []
 
 
+def gid_entry(index: int, gid: str | None, gid_type: str | None, ndev: str | None) -> GidEntry:
+    """One GID slot from the text of its three sysfs files (None: unreadable or missing)."""
+    return GidEntry(index=index, gid=_parse_gid(gid), gid_type=gid_type or "", ndev=ndev or "")
+
+
 def read_gid_table(sysfs_root: Path, hca: str, port: int) -> list[GidEntry]:
     base = sysfs_root / "class" / "infiniband" / hca / "ports" / str(port)
     return [
-        GidEntry(
-            index=i,
-            gid=_parse_gid(_read(base / "gids" / str(i))),
-            gid_type=_read(base / "gid_attrs" / "types" / str(i)) or "",
-            ndev=_read(base / "gid_attrs" / "ndevs" / str(i)) or "",
-        )
+        gid_entry(i, _read(base / "gids" / str(i)), _read(base / "gid_attrs" / "types" / str(i)),
+                  _read(base / "gid_attrs" / "ndevs" / str(i)))
         for i in _numeric_children(base / "gids")
     ]
 

@@ -11,6 +11,9 @@ then the same wait and canary as the ``health`` stage, bounded by ``glm53_ready_
 and the first start, every node's clean page cache is dropped and its memory judged with preflight's own
 budget (``memory_budget.plan_memory``): on a GB10 a crashed rank leaves its checkpoint in page cache that
 CUDA does not get back, so a restart without the drop fails. A budget that does not fit starts nothing.
+Before that, with RDMA on, every rail's RoCE v2 GID slot that the ranks' NCCL_IB_GID_INDEX names is read
+again: a reboot can move GID indices, and a rank restarted on a stale index fails or hangs on RoCE. A moved
+index starts nothing and gives up at once (only a site.yml run re-discovers it and recreates the ranks).
 
 The state lives in a JSON file that the loop re-reads on every poll, so the playbooks can change it
 (``stop.yml`` writes ``stopped``; ``site.yml`` clears ``given_up``) and a reboot keeps it.
@@ -19,6 +22,7 @@ The state lives in a JSON file that the loop re-reads on every poll, so the play
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import os
 import re
@@ -28,7 +32,7 @@ import urllib.parse
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ansible_collections.sparkops.glm53.plugins.module_utils import memory_budget, run_lock
+from ansible_collections.sparkops.glm53.plugins.module_utils import fabric, memory_budget, run_lock
 from ansible_collections.sparkops.glm53.plugins.module_utils.health import (
     Canary,
     ContainerState,
@@ -205,17 +209,26 @@ def decide(obs: Observation, state: State, policy: Policy) -> Decision:
 
 
 def record_recovery(state: State, trigger: str, started: float, ended: float, ok: bool, detail: str,
-                    memory: Optional[Sequence[Mapping[str, Any]]] = None) -> State:
+                    memory: Optional[Sequence[Mapping[str, Any]]] = None,
+                    fabric_report: Optional[Sequence[Mapping[str, Any]]] = None, give_up: bool = False) -> State:
     """The state after one recovery ran (its attempt already counted when it started); ``memory`` is its
-    memory step's report per node, kept with it so status shows a drop that was skipped."""
+    memory step's report per node, kept with it so status shows a drop that was skipped, ``fabric_report``
+    its GID re-check per node. ``give_up``: a failure no retry can fix (a moved GID index) ends in given_up."""
     entry: Dict[str, Any] = {"trigger": trigger, "started": round(started, 3), "seconds": round(ended - started, 1),
                              "ok": ok, "detail": detail}
     if memory:
         entry["memory"] = [dict(item) for item in memory]
+    if fabric_report:
+        entry["fabric"] = [dict(item) for item in fabric_report]
     recoveries = (state.recoveries + [entry])[-RECOVERIES_KEPT:]
     if ok:
         return replace(state, phase=PHASE_WATCHING, reason="serving", healthy_since=ended, api_down_since=None,
                        last_attempt_end=ended, recoveries=recoveries, updated=ended)
+    if give_up:
+        return replace(state, phase=PHASE_GIVEN_UP, reason=(
+            "gave up at recovery %d without retrying: %s. Every rank is stopped and stays stopped (reboots "
+            "included) until site.yml runs" % (state.attempts, detail)), healthy_since=None, api_down_since=None,
+            last_attempt_end=ended, recoveries=recoveries, updated=ended)
     return replace(state, phase=PHASE_BACKOFF, reason="recovery %d failed: %s" % (state.attempts, detail),
                    healthy_since=None, api_down_since=None, last_attempt_end=ended, recoveries=recoveries,
                    updated=ended)
@@ -366,6 +379,104 @@ def memory_plan(memory: Optional[MemoryConfig]) -> str:
         "; ".join(nodes))
 
 
+# --------------------------------------------------------------------------- fabric before a restart
+
+SYS_INFINIBAND = "/sys/class/infiniband"
+
+
+@dataclass(frozen=True)
+class FabricRail:
+    """One rail as the fabric stage chose it: its RDMA port, and the netdev and address its RoCE v2 GID maps."""
+
+    hca: str
+    port: int
+    netdev: str
+    address: ipaddress.IPv4Address
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "FabricRail":
+        return cls(hca=str(data["hca"]), port=int(data["port"]), netdev=str(data["netdev"]),
+                   address=ipaddress.IPv4Address(str(data["address"])))
+
+    def paths(self, index: int) -> Tuple[str, str, str]:
+        """The GID slot's sysfs files: the GID, its type, its netdev."""
+        base = "%s/%s/ports/%d" % (SYS_INFINIBAND, self.hca, self.port)
+        return ("%s/gids/%d" % (base, index), "%s/gid_attrs/types/%d" % (base, index),
+                "%s/gid_attrs/ndevs/%d" % (base, index))
+
+    def expected(self) -> str:
+        return "%s (%s on %s)" % (fabric.ipv4_mapped_gid(self.address).exploded, self.address, self.netdev)
+
+
+@dataclass(frozen=True)
+class NodeFabric:
+    """One node's NCCL_IB_GID_INDEX (one number for all its rails) and its rails, from the fabric stage."""
+
+    gid_index: int
+    rails: Tuple[FabricRail, ...]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "NodeFabric":
+        return cls(gid_index=int(data["gid_index"]), rails=tuple(FabricRail.from_dict(r) for r in data["rails"]))
+
+    def read_argv(self) -> List[str]:
+        """One command reading every rail's slot: grep prints each readable file as PATH:VALUE (sysfs paths
+        hold no colon), and -s keeps quiet about a missing file or an empty slot's EINVAL."""
+        return ["grep", "-Hs", "."] + [path for rail in self.rails for path in rail.paths(self.gid_index)]
+
+
+def parse_gid_read(spec: NodeFabric, output: str) -> List[Tuple[FabricRail, Optional[fabric.GidEntry]]]:
+    """Each rail's GID slot from ``read_argv``'s output; None where the slot's GID file is not there at all."""
+    values: Dict[str, str] = {}
+    for line in output.splitlines():
+        path, sep, value = line.partition(":")
+        if sep:
+            values[path] = value.strip()
+    found: List[Tuple[FabricRail, Optional[fabric.GidEntry]]] = []
+    for rail in spec.rails:
+        gid, gid_type, ndev = rail.paths(spec.gid_index)
+        found.append((rail, fabric.gid_entry(spec.gid_index, values.get(gid), values.get(gid_type), values.get(ndev))
+                      if gid in values else None))
+    return found
+
+
+def gid_problems(node: str, spec: NodeFabric, output: str) -> List[str]:
+    """What is wrong with the GID slot each rail's ranks would use (fabric.gid_problem, the fabric stage's own
+    test), one line per rail naming node, port, index, what it holds now and what was recorded."""
+    problems = []
+    for rail, entry in parse_gid_read(spec, output):
+        where = "node %s: %s port %d GID index %d" % (node, rail.hca, rail.port, spec.gid_index)
+        if entry is None:
+            problems.append("%s does not exist (no %s), expected %s" % (where, rail.paths(spec.gid_index)[0],
+                                                                        rail.expected()))
+            continue
+        problem = fabric.gid_problem(entry, rail.address, rail.netdev)
+        if problem:
+            # gid_problem names the expected GID only when another one is there.
+            expected = fabric.ipv4_mapped_gid(rail.address).exploded
+            problems.append("%s %s%s" % (where, problem, "" if expected in problem else
+                                         ", expected %s" % rail.expected()))
+    return problems
+
+
+def fabric_failure(problems: Sequence[str]) -> str:
+    """The recovery's failure when some node's GID index moved: empty when every rail's slot still holds its GID."""
+    if not problems:
+        return ""
+    return ("not starting the ranks, the RoCE GID index they were created with is stale (GID indices move after "
+            "reboots; NCCL on it fails or hangs): %s. Fix: re-run site.yml: the fabric stage re-discovers the GID "
+            "index and the ranks are recreated with it" % "; ".join(problems))
+
+
+def fabric_plan(nodes: Optional[Mapping[str, NodeFabric]]) -> str:
+    """The supervisor's first log line about the fabric."""
+    if not nodes:
+        return "before a restart: no GID re-check (RDMA off, or a config from before it)"
+    return "before a restart: the GID index of every rail re-checked (%s)" % "; ".join(
+        "%s: index %d on %s" % (node, spec.gid_index, ", ".join("%s:%d" % (r.hca, r.port) for r in spec.rails))
+        for node, spec in nodes.items())
+
+
 # --------------------------------------------------------------------------- the loop
 
 
@@ -388,6 +499,9 @@ class SupervisorConfig:
     command_timeout: float = 60.0
     # The page-cache drop and memory budget before a restart; None (a config from before it) skips the step.
     memory: Optional[MemoryConfig] = None
+    # Per node, the GID index and rails its ranks were created with; empty (RDMA off, or a config from before
+    # the re-check) skips the re-check.
+    fabric: Mapping[str, NodeFabric] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SupervisorConfig":
@@ -399,10 +513,16 @@ class SupervisorConfig:
                      container=str(data.get("container") or ""),
                      policy=Policy.from_dict(data.get("policy") or {}), canary=Canary.from_dict(data.get("canary")),
                      log_tail=int(data.get("log_tail", cls.log_tail)),
-                     memory=MemoryConfig.from_dict(data["memory"]) if data.get("memory") else None)
+                     memory=MemoryConfig.from_dict(data["memory"]) if data.get("memory") else None,
+                     fabric={str(node): NodeFabric.from_dict(spec)
+                             for node, spec in ((data.get("fabric") or {}).get("nodes") or {}).items()})
         missing = [r.node for r in config.ranks if config.memory and r.node not in config.memory.nodes]
         if missing:
             raise ValueError("the supervisor's config has no memory budget for node(s) %s: re-run site.yml"
+                             % ", ".join(missing))
+        missing = [r.node for r in config.ranks if config.fabric and r.node not in config.fabric]
+        if missing:
+            raise ValueError("the supervisor's config has no fabric (GID index) for node(s) %s: re-run site.yml"
                              % ", ".join(missing))
         return config
 
@@ -444,6 +564,9 @@ class Supervisor:
         self.last_logged = ""
         # The memory step's report of the recovery in progress (kept with it in the state file).
         self.memory_report: List[NodeMemoryReport] = []
+        # The GID re-check's report of the recovery in progress, and whether it found an index moved.
+        self.fabric_report: List[Dict[str, Any]] = []
+        self.fabric_stale = False
 
     @property
     def head(self) -> Rank:
@@ -537,11 +660,47 @@ class Supervisor:
             self.log("memory: " + report.line)
         return memory_failure(self.memory_report)
 
+    def check_fabric(self) -> str:
+        """With every rank stopped: read, on every node, the GID slot each rail's ranks will use and compare it
+        with what the fabric stage chose. Every node is read, so the failure names them all; empty when each
+        slot still holds its GID. A moved index sets ``fabric_stale``; a node that cannot be read does not."""
+        self.fabric_report = []
+        self.fabric_stale = False
+        unreadable: List[str] = []
+        problems: List[str] = []
+        for rank in self.cfg.ranks:
+            spec = self.cfg.fabric.get(rank.node)
+            if spec is None:
+                continue
+            rc, out, err = self.io.run(remote_argv(spec.read_argv(), rank.ssh), self.cfg.command_timeout, False)
+            # grep: 0 all read, 1 none matched, 2 some file missing; anything else (ssh's 255) read nothing.
+            if rc not in (0, 1, 2):
+                unreadable.append("cannot read the GID table on node %s (exit %d): %s"
+                                  % (rank.node, rc, " ".join((err or out).split())[:300]))
+                self.fabric_report.append({"node": rank.node, "gid_index": spec.gid_index, "problems": unreadable[-1:]})
+                continue
+            found = gid_problems(rank.node, spec, out)
+            problems += found
+            self.fabric_report.append({"node": rank.node, "gid_index": spec.gid_index, "problems": found})
+            self.log("fabric: " + ("; ".join(found) if found else "node %s: GID index %d unchanged on %s" % (
+                rank.node, spec.gid_index, ", ".join("%s:%d" % (r.hca, r.port) for r in spec.rails))))
+        if problems:
+            self.fabric_stale = True
+            return fabric_failure(problems)
+        return "not starting the ranks: %s" % "; ".join(unreadable) if unreadable else ""
+
     def recover(self) -> Tuple[bool, str]:
-        """Stop every rank, free and judge memory, start the workers, then the head, then wait for the API and
-        the canary."""
+        """Stop every rank, re-check the GID index, free and judge memory, start the workers, then the head, then
+        wait for the API and the canary."""
+        self.fabric_report, self.fabric_stale = [], False
         key = self.api_key()
         self.stop_group()
+        # A moved GID index is given up at once (attempt() reads fabric_stale): no retry moves it back, and only
+        # site.yml's fabric stage re-discovers it and recreates the ranks with the new NCCL_IB_GID_INDEX.
+        stale = self.check_fabric()
+        if stale:
+            self.memory_report = []
+            return False, stale
         # Memory that does not fit is retried after the back-off, not given up at once: a stopped engine's
         # memory (on a GB10 the driver's unified-memory teardown) and another program's use can be gone by
         # then, and the check costs no engine start. A lasting shortage ends in given_up with this reason.
@@ -584,7 +743,8 @@ class Supervisor:
         ended = self.wall()
         self.log("recovery %s after %.1f s: %s" % ("succeeded" if ok else "FAILED", ended - started, detail))
         return record_recovery(state, decision.trigger, started, ended, ok, detail,
-                               [report.as_dict() for report in self.memory_report])
+                               [report.as_dict() for report in self.memory_report], self.fabric_report,
+                               give_up=not ok and self.fabric_stale)
 
     def poll(self) -> Decision:
         state = load_state(self.cfg.state_path)

@@ -15,6 +15,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.health import Healt
 from ansible_collections.sparkops.glm53.plugins.module_utils.self_heal import (
     Supervisor,
     SupervisorConfig,
+    fabric_plan,
     http_client,
     memory_plan,
 )
@@ -39,6 +40,7 @@ def main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGTERM, stop)
     log("watching %d rank(s), API %s, state %s" % (len(config.ranks), config.url, config.state_path))
     log(memory_plan(config.memory))
+    log(fabric_plan(config.fabric))
     Supervisor(config, HealthIO(run=subprocess_runner, http=http_client), log).run()
     return 0
 

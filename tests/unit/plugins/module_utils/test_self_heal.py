@@ -3,6 +3,7 @@
 driven against a scripted two-node cluster (docker and ssh answered by a fake runner, vLLM by a fake HTTP)."""
 from __future__ import annotations
 
+import ipaddress
 import json
 import shlex
 from pathlib import Path
@@ -594,3 +595,194 @@ def test_the_supervisor_says_at_start_what_it_does_about_memory() -> None:
     assert sh.memory_plan(on) == ("before a restart: page cache dropped (spark1: `sudo -n /usr/local/sbin/glm53-drop-"
                                   "caches`; spark2: SKIPPED (become failed)), then every node's memory judged with "
                                   "the start budget")
+
+
+# --------------------------------------------------------------------------- the GID re-check, scripted
+
+# What the fabric stage chose, as install.yml writes it: both PCIe twins of each Spark's CX7 port, GID index 3.
+FABRIC = {
+    "spark1": {"gid_index": 3, "rails": [
+        {"hca": "rocep1s0f1", "port": 1, "netdev": "enp1s0f1np1", "address": "10.0.0.1"},
+        {"hca": "roceP2p1s0f1", "port": 1, "netdev": "enP2p1s0f1np1", "address": "192.168.101.1"}]},
+    "spark2": {"gid_index": 3, "rails": [
+        {"hca": "rocep1s0f1", "port": 1, "netdev": "enp1s0f1np1", "address": "10.0.0.2"},
+        {"hca": "roceP2p1s0f1", "port": 1, "netdev": "enP2p1s0f1np1", "address": "192.168.101.2"}]},
+}
+ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
+
+
+def mapped_gid(address: str) -> str:
+    """The kernel's text for the IPv4-mapped GID of an address, as in /sys/class/infiniband/*/ports/*/gids/N."""
+    return ipaddress.IPv6Address("::ffff:" + address).exploded
+
+
+def gid_slot(hca: str, index: int, gid: str, gid_type: str, ndev: str) -> Dict[str, str]:
+    base = "/sys/class/infiniband/%s/ports/1" % hca
+    return {"%s/gids/%d" % (base, index): gid, "%s/gid_attrs/types/%d" % (base, index): gid_type,
+            "%s/gid_attrs/ndevs/%d" % (base, index): ndev}
+
+
+class RoceCluster(FakeCluster):
+    """FakeCluster whose nodes also have a GID table in sysfs, answered to `grep -Hs . FILE...` as GNU grep does:
+    PATH:VALUE per readable file, exit 2 when some file is missing. Every rail's RoCE v2 GID sits at index 3
+    (link-local IPv6 at 0 and 1, RoCE v1 of the address at 2), as the fabric stage found it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sysfs: Dict[str, Dict[str, str]] = {}
+        for node, spec in FABRIC.items():
+            self.sysfs[node] = {}
+            for rail in spec["rails"]:
+                gid = mapped_gid(rail["address"])
+                for index, (text, kind) in enumerate([("fe80:0000:0000:0000:0000:0000:0000:0001", "IB/RoCE v1"),
+                                                      ("fe80:0000:0000:0000:0000:0000:0000:0001", "RoCE v2"),
+                                                      (gid, "IB/RoCE v1"), (gid, "RoCE v2")]):
+                    self.sysfs[node].update(gid_slot(rail["hca"], index, text, kind, rail["netdev"]))
+        self.reads: List[str] = []
+        self.read_fails: Dict[str, Tuple[int, str, str]] = {}
+
+    def run(self, argv: Sequence[str], timeout: float, merge: bool) -> Tuple[int, str, str]:
+        node, command = "spark1", list(argv)
+        if argv[0] == "ssh" and self.reachable:
+            node, command = "spark2", shlex.split(argv[-1])
+        if command[:3] == ["grep", "-Hs", "."]:
+            self.reads.append(node)
+            self.commands.append((node, "read", "gids"))
+            if node in self.read_fails:
+                return self.read_fails[node]
+            present = [path for path in command[3:] if path in self.sysfs[node]]
+            out = "".join("%s:%s\n" % (path, self.sysfs[node][path]) for path in present)
+            return (2 if len(present) < len(command[3:]) else 0 if out else 1), out, ""
+        return super().run(argv, timeout, merge)
+
+    def move_index(self, node: str, hca: str) -> None:
+        """A reboot re-added the addresses in another order: index 3 now holds the link-local GID, the
+        address's RoCE v2 GID moved to 5."""
+        rail = next(r for r in FABRIC[node]["rails"] if r["hca"] == hca)
+        self.sysfs[node].update(gid_slot(hca, 3, "fe80:0000:0000:0000:0000:0000:0000:0002", "RoCE v2", rail["netdev"]))
+        self.sysfs[node].update(gid_slot(hca, 5, mapped_gid(rail["address"]), "RoCE v2", rail["netdev"]))
+
+
+def roce_supervisor(cluster: RoceCluster, tmp_path: Path, fabric: Optional[Dict[str, object]] = None,
+                    **policy: float) -> Tuple[sh.Supervisor, List[str]]:
+    sup, lines = supervisor(cluster, tmp_path, **policy)
+    nodes = FABRIC if fabric is None else fabric
+    sup.cfg.fabric = {node: sh.NodeFabric.from_dict(spec) for node, spec in nodes.items()}
+    return sup, lines
+
+
+def test_a_gid_index_still_right_is_read_on_every_node_before_any_start_and_the_group_recovers(
+        tmp_path: Path) -> None:
+    cluster = RoceCluster()
+    sup, lines = roce_supervisor(cluster, tmp_path)
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    assert sup.poll().action == sh.ACTION_RECOVER
+    # Stopped, then read on both nodes (the worker through ssh), and only then started.
+    assert cluster.commands == [("spark1", "stop", "glm53-rank0"), ("spark2", "stop", "glm53-rank1"),
+                                ("spark1", "read", "gids"), ("spark2", "read", "gids"),
+                                ("spark2", "start", "glm53-rank1"), ("spark1", "start", "glm53-rank0")]
+    state = sh.load_state(sup.cfg.state_path)
+    assert state.phase == sh.PHASE_WATCHING and state.recoveries[-1]["ok"]
+    assert state.recoveries[-1]["fabric"] == [{"node": "spark1", "gid_index": 3, "problems": []},
+                                              {"node": "spark2", "gid_index": 3, "problems": []}]
+    assert "fabric: node spark2: GID index 3 unchanged on rocep1s0f1:1, roceP2p1s0f1:1" in lines
+
+
+@pytest.mark.parametrize("change,holds", [
+    ("moved", "holds fe80:0000:0000:0000:0000:0000:0000:0002, not 0000:0000:0000:0000:0000:ffff:c0a8:6502 "
+              "(192.168.101.2)"),
+    ("emptied", "is empty (an empty GID kills the rank with ibv_modify_qp errno 61)"),
+    ("v1", "is IB/RoCE v1, not RoCE v2"),
+    ("gone", "does not exist (no /sys/class/infiniband/roceP2p1s0f1/ports/1/gids/3)"),
+])
+def test_a_changed_gid_slot_starts_nothing_and_gives_up_at_once_naming_node_port_index_and_fix(
+        tmp_path: Path, change: str, holds: str) -> None:
+    cluster = RoceCluster()
+    hca, slot = "roceP2p1s0f1", "/sys/class/infiniband/roceP2p1s0f1/ports/1/%s/3"
+    if change == "moved":
+        cluster.move_index("spark2", hca)
+    elif change == "emptied":
+        cluster.sysfs["spark2"][slot % "gids"] = ZERO_GID
+        del cluster.sysfs["spark2"][slot % "gid_attrs/types"]  # an empty slot's type reads EINVAL
+    elif change == "v1":
+        cluster.sysfs["spark2"][slot % "gid_attrs/types"] = "IB/RoCE v1"
+    else:
+        for kind in ("gids", "gid_attrs/types", "gid_attrs/ndevs"):
+            del cluster.sysfs["spark2"][slot % kind]
+    sup, _lines = roce_supervisor(cluster, tmp_path, max_attempts=3)
+    cluster.status["glm53-rank0"] = ("exited", 137)
+    assert sup.poll().action == sh.ACTION_RECOVER
+    assert not [c for c in cluster.commands if c[1] == "start"], "no rank may start on a stale GID index"
+    state = sh.load_state(sup.cfg.state_path)
+    # Given up after one attempt, not backed off: no retry moves the index back.
+    assert (state.phase, state.attempts) == (sh.PHASE_GIVEN_UP, 1)
+    assert ("node spark2: roceP2p1s0f1 port 1 GID index 3 %s" % holds) in state.reason
+    assert "0000:0000:0000:0000:0000:ffff:c0a8:6502 (192.168.101.2" in state.reason
+    assert "spark1" not in state.reason.split("Fix:")[0].split("stale")[1], "the head's slots are right"
+    assert "Fix: re-run site.yml: the fabric stage re-discovers the GID index" in state.reason
+    assert state.reason.startswith("gave up at recovery 1 without retrying: not starting the ranks")
+    last = state.recoveries[-1]
+    assert not last["ok"] and last["fabric"][1]["node"] == "spark2" and len(last["fabric"][1]["problems"]) == 1
+    assert "memory" not in last
+    # Given up is final: later polls read nothing and start nothing.
+    count = len(cluster.commands)
+    cluster.sleep(3600)
+    assert sup.poll().action == sh.ACTION_NONE and len(cluster.commands) == count
+
+
+def test_a_node_whose_gid_table_cannot_be_read_backs_off_instead_of_giving_up(tmp_path: Path) -> None:
+    cluster = RoceCluster()
+    cluster.read_fails["spark2"] = (255, "", "ssh: connect to host 10.0.0.2 port 22: Connection timed out")
+    sup, _lines = roce_supervisor(cluster, tmp_path)
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    sup.poll()
+    state = sh.load_state(sup.cfg.state_path)
+    assert state.phase == sh.PHASE_BACKOFF and not [c for c in cluster.commands if c[1] == "start"]
+    assert state.recoveries[-1]["detail"] == ("not starting the ranks: cannot read the GID table on node spark2 "
+                                              "(exit 255): ssh: connect to host 10.0.0.2 port 22: Connection timed out")
+    # Once it answers, the next recovery (after the back-off) goes through.
+    del cluster.read_fails["spark2"]
+    cluster.sleep(60)
+    assert sup.poll().action == sh.ACTION_RECOVER
+    assert sh.load_state(sup.cfg.state_path).phase == sh.PHASE_WATCHING
+
+
+def test_without_rdma_no_gid_table_is_read(tmp_path: Path) -> None:
+    cluster = RoceCluster()
+    for node in cluster.sysfs:  # whatever sysfs holds is not looked at
+        cluster.sysfs[node] = {}
+    sup, lines = roce_supervisor(cluster, tmp_path, fabric={})
+    cluster.status["glm53-rank1"] = ("exited", 137)
+    assert sup.poll().action == sh.ACTION_RECOVER
+    assert cluster.reads == [] and not any(line.startswith("fabric:") for line in lines)
+    last = sh.load_state(sup.cfg.state_path).recoveries[-1]
+    assert last["ok"] and "fabric" not in last
+
+
+def test_the_fabric_section_of_the_config_install_yml_writes() -> None:
+    base = {"url": "http://127.0.0.1:8888", "served_model_name": "m", "state_path": "/s", "lock_path": "/l",
+            "lock_token": "t", "ranks": [{"rank": 0, "node": "spark1", "container": "glm53-rank0"},
+                                         {"rank": 1, "node": "spark2", "container": "glm53-rank1", "ssh": "s@h"}]}
+    # A config from before the re-check, and one with RDMA off, re-check nothing.
+    assert sh.SupervisorConfig.from_dict(base).fabric == {}
+    assert sh.SupervisorConfig.from_dict(dict(base, fabric={"nodes": {}})).fabric == {}
+    # Ansible renders numbers from set_fact as strings.
+    worker = {"gid_index": "3", "rails": [{"hca": "rocep1s0f1", "port": "1", "netdev": "enp1s0f1np1",
+                                           "address": "10.0.0.2"}]}
+    config = sh.SupervisorConfig.from_dict(dict(base, fabric={"nodes": {"spark1": FABRIC["spark1"],
+                                                                        "spark2": worker}}))
+    assert config.fabric["spark2"] == sh.NodeFabric(3, (sh.FabricRail("rocep1s0f1", 1, "enp1s0f1np1",
+                                                                      ipaddress.IPv4Address("10.0.0.2")),))
+    assert config.fabric["spark1"].read_argv() == [
+        "grep", "-Hs", ".", "/sys/class/infiniband/rocep1s0f1/ports/1/gids/3",
+        "/sys/class/infiniband/rocep1s0f1/ports/1/gid_attrs/types/3",
+        "/sys/class/infiniband/rocep1s0f1/ports/1/gid_attrs/ndevs/3",
+        "/sys/class/infiniband/roceP2p1s0f1/ports/1/gids/3",
+        "/sys/class/infiniband/roceP2p1s0f1/ports/1/gid_attrs/types/3",
+        "/sys/class/infiniband/roceP2p1s0f1/ports/1/gid_attrs/ndevs/3"]
+    with pytest.raises(ValueError, match=r"no fabric \(GID index\) for node.s. spark2: re-run site.yml"):
+        sh.SupervisorConfig.from_dict(dict(base, fabric={"nodes": {"spark1": FABRIC["spark1"]}}))
+    assert "no GID re-check" in sh.fabric_plan({})
+    assert sh.fabric_plan(config.fabric) == (
+        "before a restart: the GID index of every rail re-checked (spark1: index 3 on rocep1s0f1:1, roceP2p1s0f1:1; "
+        "spark2: index 3 on rocep1s0f1:1)")
