@@ -124,7 +124,8 @@ class Sim:
         )
         return env
 
-    def start(self, name: str, playbook: str, *args: str, inventories: tuple = ()) -> Run:
+    def start(self, name: str, playbook: str, *args: str, inventories: tuple = (),
+              env: Optional[Dict[str, str]] = None) -> Run:
         argv = ["ansible-playbook", "-i", str(INVENTORY)]
         for extra in inventories:
             argv += ["-i", str(extra)]
@@ -136,8 +137,8 @@ class Sim:
         handle = log.open("w")
         handle.write("$ %s\n" % shlex.join(argv))
         handle.flush()
-        proc = subprocess.Popen(argv, cwd=REPO, env=self.env(), stdin=subprocess.DEVNULL, stdout=handle,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=REPO, env=dict(self.env(), **(env or {})), stdin=subprocess.DEVNULL,
+                                stdout=handle, stderr=subprocess.STDOUT)
         run = Run(name, argv, log, proc, time.monotonic())
         self.runs.append(run)
         return run

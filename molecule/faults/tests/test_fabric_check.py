@@ -40,7 +40,10 @@ def test_a_mismatched_mtu_is_reported_with_the_node_and_interface(sim: Sim) -> N
     usual = mtu(sim, 1)
     sim.node(1, "ip", "link", "set", "dev", "eth0", "mtu", str(usual - 100), check=True, user="root")
     try:
-        run = sim.start("fabric-check-mtu", PLAYBOOK).wait(300)
+        # New SSH connections (no ControlMaster): one left open by the previous run agreed its segment size at the
+        # old MTU, and the worker now drops those segments, so the run would hang until Ansible calls it unreachable.
+        run = sim.start("fabric-check-mtu", PLAYBOOK,
+                        env={"ANSIBLE_SSH_ARGS": "-o ControlMaster=no -o ServerAliveInterval=30"}).wait(300)
     finally:
         sim.node(1, "ip", "link", "set", "dev", "eth0", "mtu", str(usual), check=True, user="root")
     assert mtu(sim, 1) == usual
