@@ -5,27 +5,16 @@ fabric_check.yml refuse a --limit that leaves out a Spark, before anything chang
 hosts that are both this machine (connection local), always in check mode, so a broken guard changes nothing."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
-from typing import Tuple
+from typing import Callable, Tuple
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-INVENTORY = """\
-all:
-  children:
-    sparks:
-      hosts:
-        spark-head: {glm53_fabric_ip: 10.0.0.1}
-        spark-worker: {glm53_fabric_ip: 10.0.0.2}
-  vars:
-    ansible_connection: local
-    ansible_python_interpreter: %s
-""" % sys.executable
+# The conftest.py fixture check_run: one `ansible-playbook --check` against two local inventory hosts.
+CheckRun = Callable[..., subprocess.CompletedProcess[str]]
 # What each playbook tells the user to do instead.
 PLAYBOOKS = {
     "site.yml": "Run site.yml without --limit",
@@ -35,22 +24,15 @@ PLAYBOOKS = {
 }
 
 
-def play(tmp_path: Path, playbook: str, *args: str) -> Tuple[int, str]:
+def play(check_run: CheckRun, playbook: str, *args: str) -> Tuple[int, str]:
     """(exit code, output with line folding undone) of one check-mode run."""
-    inventory = tmp_path / "hosts.yml"
-    inventory.write_text(INVENTORY)
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_COLLECTIONS_PATH=str(REPO / ".collections"),
-               ANSIBLE_LOCAL_TEMP=str(tmp_path / "local"), ANSIBLE_REMOTE_TMP=str(tmp_path / "remote"),
-               ANSIBLE_NOCOLOR="1")
-    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), "--check",
-                           str(REPO / playbook), *args], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=120, check=False)
+    proc = check_run(REPO / playbook, *args, timeout=120)
     return proc.returncode, " ".join((proc.stdout + proc.stderr).split())
 
 
 @pytest.mark.parametrize("playbook", sorted(PLAYBOOKS))
-def test_a_limit_leaving_out_a_spark_is_refused_before_anything_runs(tmp_path: Path, playbook: str) -> None:
-    rc, out = play(tmp_path, playbook, "--limit", "spark-worker")
+def test_a_limit_leaving_out_a_spark_is_refused_before_anything_runs(check_run: CheckRun, playbook: str) -> None:
+    rc, out = play(check_run, playbook, "--limit", "spark-worker")
     assert rc == 2, out
     assert ("--limit spark-worker leaves out spark-head of the group sparks (glm53_group), and its ranks form one "
             "tensor-parallel group that runs only as a whole. Nothing was changed. " + PLAYBOOKS[playbook]) in out, out
@@ -60,15 +42,15 @@ def test_a_limit_leaving_out_a_spark_is_refused_before_anything_runs(tmp_path: P
     assert re.search(r"spark-worker : ok=\d+ changed=0 unreachable=0 failed=1", out), out
 
 
-def test_tags_do_not_get_past_the_guard(tmp_path: Path) -> None:
-    rc, out = play(tmp_path, "site.yml", "--limit", "spark-worker", "--tags", "health")
+def test_tags_do_not_get_past_the_guard(check_run: CheckRun) -> None:
+    rc, out = play(check_run, "site.yml", "--limit", "spark-worker", "--tags", "health")
     assert rc == 2 and "--limit spark-worker leaves out spark-head" in out, out
 
 
 @pytest.mark.parametrize("playbook,limit", [("site.yml", "spark-head,spark-worker"), ("playbooks/stop.yml", "sparks")])
-def test_a_limit_naming_every_spark_passes(tmp_path: Path, playbook: str, limit: str) -> None:
+def test_a_limit_naming_every_spark_passes(check_run: CheckRun, playbook: str, limit: str) -> None:
     # A tag no task has: only the settings and the guard (both tagged always) run.
-    rc, out = play(tmp_path, playbook, "--limit", limit, "--tags", "no_such_stage")
+    rc, out = play(check_run, playbook, "--limit", limit, "--tags", "no_such_stage")
     assert rc == 0, out
     assert out.count("TASK [sparkops.glm53.preflight : Refuse a --limit that leaves out some of the group's hosts]") == 1
     assert re.search(r"spark-head : ok=\d+ changed=0 unreachable=0 failed=0", out), out

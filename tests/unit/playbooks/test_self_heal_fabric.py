@@ -7,28 +7,17 @@ machine (connection local); only the rendered config is written, to a temporary 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 
 from ansible_collections.sparkops.glm53.plugins.module_utils import self_heal as sh
 
 REPO = Path(__file__).resolve().parents[3]
-INVENTORY = """\
-all:
-  children:
-    sparks:
-      hosts:
-        spark-head: {glm53_fabric_ip: 10.0.0.1}
-        spark-worker: {glm53_fabric_ip: 10.0.0.2}
-  vars:
-    ansible_connection: local
-    ansible_python_interpreter: %s
-""" % sys.executable
+# The conftest.py fixture check_run: one `ansible-playbook --check` against two local inventory hosts.
+CheckRun = Callable[..., subprocess.CompletedProcess[str]]
 
 
 def _rail(hca: str, netdev: str, address: str) -> dict:
@@ -44,7 +33,7 @@ def _facts(last: int) -> dict:
             "gid_index": 3, "rails": rails, "env": {"NCCL_IB_GID_INDEX": "3"}, "problems": [], "changed": False}
 
 
-def _run(tmp_path: Path, rdma: bool, with_facts: bool = True) -> "tuple[subprocess.CompletedProcess[str], Path]":
+def _run(check_run: CheckRun, tmp_path: Path, rdma: bool, with_facts: bool = True) -> "tuple[subprocess.CompletedProcess[str], Path]":
     [install] = [t for t in yaml.safe_load((REPO / "roles/self_heal/tasks/install.yml").read_text())
                  if t.get("name") == "Write the supervisor's configuration"]
     out = tmp_path / "fabric.json"
@@ -59,15 +48,8 @@ def _run(tmp_path: Path, rdma: bool, with_facts: bool = True) -> "tuple[subproce
                "vars": {"fabric": install["vars"]["_self_heal_settings"]["fabric"]}}]
     play = [{"hosts": "sparks", "gather_facts": True, "gather_subset": ["min"], "vars": {"glm53_rdma": rdma},
              "roles": [{"role": "sparkops.glm53.glm53"}], "tasks": tasks}]
-    (tmp_path / "hosts.yml").write_text(INVENTORY)
     (tmp_path / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
-               ANSIBLE_COLLECTIONS_PATH=str(REPO / ".collections"),
-               ANSIBLE_LOCAL_TEMP=str(tmp_path / "local"), ANSIBLE_REMOTE_TMP=str(tmp_path / "remote"),
-               ANSIBLE_NOCOLOR="1")
-    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"),
-                           "--check", str(tmp_path / "play.yml")], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=180, check=False)
+    proc = check_run(tmp_path / "play.yml")
     return proc, out
 
 
@@ -75,8 +57,8 @@ def _config(out: Path) -> Optional[dict]:
     return json.loads(out.read_text()) if out.exists() else None
 
 
-def test_with_rdma_each_node_gets_its_gid_index_and_rails(tmp_path: Path) -> None:
-    proc, out = _run(tmp_path, rdma=True)
+def test_with_rdma_each_node_gets_its_gid_index_and_rails(check_run: CheckRun, tmp_path: Path) -> None:
+    proc, out = _run(check_run, tmp_path, rdma=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     fabric = _config(out)
     assert fabric is not None
@@ -90,8 +72,8 @@ def test_with_rdma_each_node_gets_its_gid_index_and_rails(tmp_path: Path) -> Non
     assert [str(r.address) for r in config.fabric["spark-head"].rails] == ["10.0.0.1", "192.168.101.1"]
 
 
-def test_without_rdma_the_config_has_no_node_to_recheck(tmp_path: Path) -> None:
-    proc, out = _run(tmp_path, rdma=False, with_facts=False)
+def test_without_rdma_the_config_has_no_node_to_recheck(check_run: CheckRun, tmp_path: Path) -> None:
+    proc, out = _run(check_run, tmp_path, rdma=False, with_facts=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert _config(out) == {"nodes": {}}
     said = " ".join(proc.stdout.split())
@@ -99,9 +81,9 @@ def test_without_rdma_the_config_has_no_node_to_recheck(tmp_path: Path) -> None:
     assert "ok:" not in discover and "skipping: [spark-head]" in discover, "RDMA off discovers nothing"
 
 
-def test_a_run_without_the_fabric_stage_discovers_it_and_fails_naming_the_node(tmp_path: Path) -> None:
+def test_a_run_without_the_fabric_stage_discovers_it_and_fails_naming_the_node(check_run: CheckRun, tmp_path: Path) -> None:
     # This machine has no interface with 10.0.0.x and no RDMA: discovery finds nothing usable.
-    proc, out = _run(tmp_path, rdma=True, with_facts=False)
+    proc, out = _run(check_run, tmp_path, rdma=True, with_facts=False)
     said = " ".join(proc.stdout.split())
     assert proc.returncode != 0 and not out.exists()
     assert "Discover the fabric the ranks use (a run without the fabric stage)" in said, said

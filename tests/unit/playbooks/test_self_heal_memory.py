@@ -8,16 +8,18 @@ machine (connection local); only the rendered config is written, to a temporary 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
 from ansible_collections.sparkops.glm53.plugins.module_utils import self_heal as sh
 
 REPO = Path(__file__).resolve().parents[3]
+# The conftest.py fixture check_run: one `ansible-playbook --check` against two local inventory hosts.
+CheckRun = Callable[..., subprocess.CompletedProcess[str]]
 GIB = 1 << 30
 # The head logs in as root (no become, so the drop runs without sudo); the worker as an ordinary user whose
 # become fails, as where sudo asks for a password: a sudo that does not exist (and a become user other than the
@@ -62,16 +64,10 @@ def _playbook(out: Path) -> list:
         ]}]
 
 
-def test_each_node_gets_memory_yml_s_request_and_its_drop_or_why_not(tmp_path: Path) -> None:
+def test_each_node_gets_memory_yml_s_request_and_its_drop_or_why_not(check_run: CheckRun, tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
-    (tmp_path / "hosts.yml").write_text(INVENTORY)
     (tmp_path / "play.yml").write_text(yaml.safe_dump(_playbook(out), sort_keys=False))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_COLLECTIONS_PATH=str(REPO / ".collections"),
-               ANSIBLE_LOCAL_TEMP=str(tmp_path / "local"), ANSIBLE_REMOTE_TMP=str(tmp_path / "remote"),
-               ANSIBLE_NOCOLOR="1")
-    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"),
-                           "--check", str(tmp_path / "play.yml")], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=180, check=False)
+    proc = check_run(tmp_path / "play.yml", inventory=INVENTORY)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     said = " ".join(proc.stdout.split())
     assert ("after dropping its page cache (/usr/local/sbin/glm53-drop-caches); the drop is SKIPPED "
