@@ -37,3 +37,11 @@ def tiny_glm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from vllm_runs import write_tiny_models
 
     return write_tiny_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def vllm_033_source() -> Path:
+    """vLLM 0.33.0's source tree (the files the SM12x fixes read), from the sha256-pinned sdist (vllm_source.py)."""
+    import vllm_source
+
+    return vllm_source.source_tree()

@@ -37,7 +37,8 @@ def test_on_sm12x_a_fix_waits_for_its_target_module(monkeypatch: pytest.MonkeyPa
     states = sm12x.install_fixes(VllmInstall("vllm", "0.33.1"), (12, 1))
     assert [s.state for s in states] == [sm12x.PENDING] * len(states)
     assert patched == ["vllm.platforms.cuda", "vllm.model_executor.layers.indexer_topk",
-                       "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120"]
+                       "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120",
+                       "vllm.models.glm5next.common.model", "vllm.v1.attention.backends.mla.indexer"]
 
 
 def test_the_cpu_plugin_registers_no_fix_and_selfcheck_lists_each():

@@ -2,7 +2,8 @@
 
 Each fix is one module with the same surface: NAME, SOURCE, TARGET (the vLLM module it patches),
 SUPPORTED_VLLM (releases whose code it was checked against), `already_fixed(module, capability)` (why
-vLLM needs no help, or None) and `patch(module, capability)` (idempotent). This package decides, per process, whether a fix applies:
+vLLM needs no help, or None) and `patch(module, capability)` (idempotent). A fix that replaces or relies on a
+function's text checks its signature and source sha256 first (`source_guard`), so changed code is `failed`. This package decides, per process, whether a fix applies:
 only on an SM12x device and a checked vLLM release; then it patches the target when that module is
 first imported (most targets are heavy, and register() runs in every vLLM process). docs/gb10.md lists
 the fixes, their sources, status and tests.
@@ -45,9 +46,10 @@ class FixStatus:
 
 
 def _fixes() -> tuple[Fix, ...]:
-    from glm53_overlay.sm12x import dense_mha_prefill, indexer_topk, pdl_gate
+    from glm53_overlay.sm12x import dense_mha_prefill, indexer_topk, kpool_tail_slots, kpool_topk_width, pdl_gate
 
-    return (pdl_gate, indexer_topk, dense_mha_prefill)  # type: ignore[return-value]
+    return (pdl_gate, indexer_topk, dense_mha_prefill, kpool_topk_width,  # type: ignore[return-value]
+            kpool_tail_slots)
 
 
 _status: dict[str, FixStatus] = {}
