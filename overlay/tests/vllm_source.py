@@ -86,15 +86,19 @@ def source_tree() -> Path:
     return root
 
 
-def function_text(member: str, name: str) -> str:
-    """The exact lines of a top-level function (decorators included, as inspect.getsource gives them)."""
+def function_text(member: str, name: str, owner: str | None = None) -> str:
+    """The exact lines of a top-level function, or of a method of class `owner` (decorators included, as
+    inspect.getsource gives them; a method's lines keep their indentation)."""
     text = (source_tree() / member).read_text()
-    for node in ast.parse(text).body:
+    body = ast.parse(text).body
+    if owner is not None:
+        body = next(node.body for node in body if isinstance(node, ast.ClassDef) and node.name == owner)
+    for node in body:
         if isinstance(node, ast.FunctionDef) and node.name == name:
             first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
             lines = text.splitlines(keepends=True)[first - 1:node.end_lineno]
             return "".join(lines)
-    raise LookupError(f"no top-level function {name} in {member}")
+    raise LookupError(f"no function {name} in {owner or member}")
 
 
 def stand_in_module(name: str, preamble: str, *functions: tuple[str, str], directory: Path) -> ModuleType:

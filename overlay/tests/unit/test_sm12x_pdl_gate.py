@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from glm53_overlay.sm12x import APPLIED, run_fix
+from glm53_overlay.sm12x import APPLIED, FAILED, run_fix
 from glm53_overlay.sm12x import pdl_gate
 
 
@@ -67,7 +67,10 @@ def test_the_gb10_answer_never_touches_torch_cuda(cuda_platform, monkeypatch):
     assert cuda_platform.CudaPlatform.is_arch_support_pdl() is False
 
 
-def test_a_vllm_that_already_gates_is_left_alone(cuda_platform, monkeypatch):
+def test_changed_code_fails_the_fix_and_is_left_unpatched(cuda_platform, monkeypatch):
     on_device(monkeypatch, (12, 1))
-    monkeypatch.setattr(cuda_platform.CudaPlatformBase, "is_arch_support_pdl", classmethod(lambda cls: False))
-    assert pdl_gate.already_fixed(cuda_platform, (12, 1)) == "vLLM's is_arch_support_pdl already says no on sm_121"
+    gated = classmethod(lambda cls: False)
+    monkeypatch.setattr(cuda_platform.CudaPlatformBase, "is_arch_support_pdl", gated)
+    status = run_fix(pdl_gate, cuda_platform, (12, 1))
+    assert status.state == FAILED and "the fix was written for (cls) -> bool" in status.detail
+    assert vars(cuda_platform.CudaPlatformBase)["is_arch_support_pdl"] is gated

@@ -11,12 +11,16 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from glm53_overlay.sm12x.source_guard import require_source
+
 NAME = "indexer-topk-per-row"
 SOURCE = "recipe (vLLM 487ecf187 base): persistent_topk off on SM12x in favour of top_k_per_row_decode"
 TARGET = "vllm.model_executor.layers.indexer_topk"
 # 0.32's _resolve_auto (and upstream's at the time of writing) return "persistent" on SM12x.
 SUPPORTED_VLLM = frozenset({(0, 32), (0, 33)})
 _PATCHED = "_glm53_sm12x_topk"
+SIGNATURE = "(self, logits: Tensor, topk_tokens: int, num_rows: int) -> str"
+SOURCE_SHA256 = {"vllm 0.32.0 / 0.33.0": "091bac0a3015e9790131d65c570c6f16614df21fd09178f61cf465a1059c3a88"}
 
 
 def _sm12x_probe(module: ModuleType) -> Any:
@@ -37,6 +41,7 @@ def auto_choice(module: ModuleType, rows: int = 4, topk_tokens: int = 2048) -> s
 def already_fixed(module: ModuleType, capability: tuple[int, int]) -> str | None:
     if getattr(module.SparseIndexerTopk._resolve_auto, _PATCHED, False):
         return None
+    require_source(module.SparseIndexerTopk._resolve_auto, SIGNATURE, SOURCE_SHA256)
     choice = auto_choice(module)
     return None if choice == "persistent" else f"vLLM's automatic choice on SM12x is already {choice}"
 
@@ -46,6 +51,7 @@ def patch(module: ModuleType, capability: tuple[int, int]) -> str:
     original = cls._resolve_auto
     if getattr(original, _PATCHED, False):
         return "automatic top-k: persistent -> per_row (already)"
+    require_source(original, SIGNATURE, SOURCE_SHA256)
 
     def _resolve_auto(self: Any, logits: Any, topk_tokens: int, num_rows: int) -> str:
         choice = original(self, logits, topk_tokens, num_rows)

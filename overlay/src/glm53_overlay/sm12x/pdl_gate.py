@@ -11,6 +11,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from glm53_overlay.sm12x.source_guard import require_source
+
 NAME = "pdl-sm9x-10x-only"
 SOURCE = "recipe (vLLM 487ecf187 base): PDL enabled only on SM 9.x/10.x, it races the KDA state kernels on SM12x"
 TARGET = "vllm.platforms.cuda"
@@ -19,12 +21,21 @@ TARGET = "vllm.platforms.cuda"
 SUPPORTED_VLLM = frozenset({(0, 32), (0, 33)})
 PDL_MAJORS = (9, 10)
 _PATCHED = "_glm53_sm12x_pdl_gate"
+SIGNATURE = "(cls) -> bool"
+# The text differs between the two releases (0.33 adds @cache); both return `major >= 9`.
+SOURCE_SHA256 = {
+    "vllm 0.32.0": "7a78e3665bc784d8edc40fbfccb46de8f02f217a666050c12680c7c8e3c0e419",
+    "vllm 0.33.0": "2fe066e7d807d816ee47b50917075984e6ff7fa6bf7c37ebcb5ad44c948de0ec",
+}
 
 
 def _owner(module: ModuleType) -> type:
     base = module.CudaPlatformBase
     if "is_arch_support_pdl" not in vars(base):
         raise LookupError("CudaPlatformBase no longer defines is_arch_support_pdl")
+    current = vars(base)["is_arch_support_pdl"]
+    if not _is_ours(current):
+        require_source(current, SIGNATURE, SOURCE_SHA256)
     return base
 
 
