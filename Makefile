@@ -79,7 +79,7 @@ vllm-cpu-base: build/ca-bundle.crt
 # GPU-only steps off); the cluster does not need it, it is a quick check of the Dockerfile.
 engine-image: vllm-cpu-base
 	$(DOCKER_BUILD) -f docker/Dockerfile -t $(ENGINE_IMAGE) --build-arg BASE_IMAGE=$(VLLM_CPU_BASE) \
-	  --build-arg EXLLAMAV3_SPEC= --build-arg TORCH_CUDA_ARCH_LIST= .
+	  --build-arg EXLLAMAV3_SPEC= --build-arg TORCH_CUDA_ARCH_LIST= --build-arg GPU_PINS= .
 
 sim-up: host venv images
 	ansible-playbook playbooks/sim/up.yml

@@ -117,6 +117,17 @@ def check_exl3_moe_cuda_graph() -> tuple[bool, str]:
     return ok, f"3 replays at T=1: rel err {max(errs):.2e}, max |replay - eager| {max(diffs):.1e} (must be 0)"
 
 
+def check_gb10_image_pins() -> tuple[bool, str]:
+    """NCCL, FlashInfer and cutlass-dsl as docker/Dockerfile pins them (glm53_overlay.image_pins)."""
+    import torch
+
+    if torch.version.cuda is None:
+        raise CheckSkipped("CPU image (torch without CUDA): no NCCL, FlashInfer or cutlass-dsl to pin")
+    from glm53_overlay import image_pins
+
+    return image_pins.report()
+
+
 def sm12x_check(fix: str) -> Callable[[], tuple[bool, str]]:
     """One entry per carried GB10 fix: applied, not needed (and why), or failed (docs/gb10.md)."""
 
@@ -145,6 +156,7 @@ CHECKS: tuple[Callable[[], tuple[bool, str]], ...] = (
     check_exl3_gemm_k4_mcg,
     check_exl3_moe_apply,
     check_exl3_moe_cuda_graph,
+    check_gb10_image_pins,
     *_sm12x_checks(),
 )
 
@@ -169,6 +181,8 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             return None
 
+    from glm53_overlay.image_pins import PINS
+
     install = find_vllm()
     return {
         "python": platform.python_version(),
@@ -176,6 +190,7 @@ def versions() -> dict[str, str | None]:
         "vllm": f"{install.distribution} {install.version}" if install else None,
         "torch": version_of("torch"),
         "exllamav3": version_of("exllamav3"),
+        **{pin.distribution: version_of(pin.distribution) for pin in PINS},
     }
 
 

@@ -62,12 +62,16 @@ def test_selfcheck_cli_prints_json_and_exits_zero() -> None:
         "exl3_gemm_k4_mcg",
         "exl3_moe_apply",
         "exl3_moe_cuda_graph",
+        "gb10_image_pins",
         "sm12x_pdl_sm9x_10x_only",
         "sm12x_indexer_topk_per_row",
         "sm12x_sm120_no_dense_mha_prefill",
+        "sm12x_kpool_topk_buffer_width",
+        "sm12x_kpool_tail_slot_clamp",
     ]
-    # Without a GPU the kernel checks report themselves skipped, never silently passed; the GB10 fixes say why
-    # they are not needed here.
-    assert [check["skipped"] for check in report["checks"]] == [False] * 4 + [True] * 4 + [False] * 3
-    assert all(check["detail"].startswith("not needed: no CUDA device") for check in report["checks"][8:])
+    # Without a GPU the kernel checks and the GPU image's pins report themselves skipped, never silently passed;
+    # the GB10 fixes say why they are not needed here.
+    assert [check["skipped"] for check in report["checks"]] == [False] * 4 + [True] * 5 + [False] * 5
+    assert all(check["detail"].startswith("not needed: no CUDA device") for check in report["checks"][9:])
     assert report["versions"]["vllm"]
+    assert {"nvidia-nccl-cu13", "flashinfer-python", "nvidia-cutlass-dsl"} <= set(report["versions"])
