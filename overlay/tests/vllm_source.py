@@ -33,6 +33,7 @@ MEMBERS = (
     "vllm/v1/attention/backends/mla/indexer.py",
     "vllm/platforms/cuda.py",
     "vllm/model_executor/layers/indexer_topk.py",
+    "vllm/config/kernel.py",
 )
 
 
@@ -69,7 +70,8 @@ def source_tree() -> Path:
     """<cache>/vllm-0.33.0 holding MEMBERS, unpacked once from the checked tarball."""
     root = CACHE / f"vllm-{VERSION}"
     marker = root / ".complete"
-    if marker.exists():
+    stamp = "\n".join((SHA256, *MEMBERS)) + "\n"
+    if marker.exists() and marker.read_text() == stamp:
         return root
     archive = tarball()
     staging = Path(tempfile.mkdtemp(dir=CACHE, prefix="unpack-"))
@@ -80,7 +82,7 @@ def source_tree() -> Path:
             out = staging / member
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(source.read())
-    (staging / ".complete").write_text(SHA256 + "\n")
+    (staging / ".complete").write_text(stamp)
     shutil.rmtree(root, ignore_errors=True)
     staging.replace(root)
     return root

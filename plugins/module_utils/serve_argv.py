@@ -17,6 +17,11 @@ _GPU_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_ds_mla")
 # 8192 crashes the GB10 indexer (its shared-memory top-k path); the recipe's maintainers run 7168 by default
 # at max_num_seqs 4 (its .env: "7168 ... never 8192 (indexer smem)"), so that is the largest value seen working.
 _GPU_MAX_BATCHED_TOKENS = 7168
+# ... and 8192 or more is refused on GPUs: it crashes the indexer and OOMs the driver at long contexts.
+_GPU_BATCHED_TOKENS_LIMIT = 8192
+# DeepGEMM's arch-12 fp8 paged MQA logits kernel wants each kpool index page to hold a multiple of 64 entries;
+# with GLM-5.3's kpool of 4 the KV block size must be a multiple of 4 x 64 (docs/gb10.md).
+_GPU_BLOCK_SIZE_MULTIPLE = 256
 # The argument spec's default utilization; module_utils cannot read the spec where it runs, so a unit test
 # (test_settings_single_source.py) keeps the two equal.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.85
@@ -111,6 +116,7 @@ def validate_settings(settings: Mapping[str, Any], *, num_attention_heads: int =
     if seqs is not None and batched is not None and batched < seqs:
         errors.append(f"{var('max_num_batched_tokens')} ({batched}) must be >= {var('max_num_seqs')} ({seqs})")
     errors += _long_prefill_errors(settings)
+    errors += _gb10_errors(settings)
     # 0 means "one per node" to the role, which resolves it before rendering; the renderer needs the size.
     tp = _value(settings, "tensor_parallel_size", as_int)
     if tp is not None and (not tp or num_attention_heads % tp):
@@ -144,6 +150,23 @@ def validate_settings(settings: Mapping[str, Any], *, num_attention_heads: int =
         # Marlin takes over the routed experts and has no EXL3 kernels: the engine dies loading them.
         errors.append(f"{var('extra_serve_args')}: --moe-backend marlin cannot run EXL3 experts "
                       f"({var('quantization')} is exl3); remove it")
+    return errors
+
+
+def _gb10_errors(settings: Mapping[str, Any]) -> list[str]:
+    """Values that start on a CPU but break a GB10 rank (glm53_gpu true)."""
+    if not _value(settings, "gpu", as_bool):
+        return []
+    errors: list[str] = []
+    batched = _value(settings, "max_num_batched_tokens", as_int)
+    if batched is not None and batched >= _GPU_BATCHED_TOKENS_LIMIT:
+        errors.append(f"{var('max_num_batched_tokens')} ({batched}) must be below {_GPU_BATCHED_TOKENS_LIMIT} on GB10 "
+                      f"(8192 crashes the indexer top-k and OOMs the driver at long contexts); "
+                      f"{_GPU_MAX_BATCHED_TOKENS} is the measured default")
+    block = _value(settings, "block_size", as_int)
+    if block and block % _GPU_BLOCK_SIZE_MULTIPLE:
+        errors.append(f"{var('block_size')} ({block}) must be a multiple of {_GPU_BLOCK_SIZE_MULTIPLE} on GB10 "
+                      "(kpool 4 x 64 entries per index page for DeepGEMM's fp8 paged MQA), such as 2304, or 0")
     return errors
 
 
@@ -233,6 +256,10 @@ def _engine_args(s: Mapping[str, Any]) -> list[str]:
         "--max-num-seqs", str(as_int(s["max_num_seqs"])),
         "--max-num-batched-tokens", str(as_int(s["max_num_batched_tokens"])),
     ]
+    if as_int(s.get("block_size") or 0) > 0:
+        argv += ["--block-size", str(as_int(s["block_size"]))]
+    if s.get("kernel_config"):
+        argv += ["--kernel-config", _compact_json(s["kernel_config"])]
     threshold = as_int(s.get("long_prefill_token_threshold") or 0)
     if threshold > 0:
         argv += ["--long-prefill-token-threshold", str(threshold)]

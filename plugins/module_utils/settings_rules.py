@@ -105,6 +105,14 @@ def mm_limits(v: Mapping[str, Any]) -> str | None:
     return None if ok else "a mapping of modality to a count >= 0, such as {image: 4, video: 1}"
 
 
+def kernel_config(v: Mapping[str, Any]) -> str | None:
+    # vLLM's KernelConfig fields are Python identifiers with JSON scalar values; the parser checks the names.
+    if all(isinstance(k, str) and k.isidentifier() and (v[k] is None or isinstance(v[k], (bool, int, float, str)))
+           for k in v):
+        return None
+    return "a mapping of vLLM kernel-config field names to true/false, numbers or strings"
+
+
 def env_mapping(v: Mapping[str, Any]) -> str | None:
     ok = all(isinstance(k, str) and _ENV_NAME.match(k) and isinstance(x, (str, int, float)) for k, x in v.items())
     return None if ok else "a mapping of environment variable names to string values"
@@ -179,6 +187,8 @@ RULES: dict[str, Check] = {
     "glm53_oom_guard_min_available_percent": between(1, 50),
     "glm53_max_num_seqs": at_least(1),
     "glm53_max_num_batched_tokens": at_least(1),
+    "glm53_kernel_config": kernel_config,
+    "glm53_block_size": at_least(0),
     "glm53_long_prefill_token_threshold": at_least(0),
     "glm53_limit_mm": mm_limits,
     "glm53_dflash_tokens": between(1, 16),

@@ -322,3 +322,30 @@ def test_dense_fp8_is_refused_without_a_gpu_or_outside_exl3():
     assert any("glm53_dense_quantization fp8 needs a GPU" in e and "glm53_gpu is false" in e for e in errors), errors
     errors = validate_settings(settings(dense_quantization="fp8", gpu=True, quantization=""))
     assert any("glm53_dense_quantization fp8 works through the exl3" in e for e in errors), errors
+
+
+def test_gb10_block_size_and_kernel_config_are_rendered_when_set():
+    argv = render_serve_argv(settings(block_size=2304, kernel_config={"enable_flashinfer_autotune": False,
+                                                                      "enable_cutedsl_warmup": False}),
+                             rank=1, nnodes=2, master_addr="10.0.0.1")
+    assert flag(argv, "--block-size") == "2304"
+    assert flag(argv, "--kernel-config") == '{"enable_cutedsl_warmup":false,"enable_flashinfer_autotune":false}'
+    plain = render_serve_argv(settings(block_size=0, kernel_config={}), rank=1, nnodes=2, master_addr="10.0.0.1")
+    assert "--block-size" not in plain and "--kernel-config" not in plain
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"max_num_batched_tokens": 8192}, "glm53_max_num_batched_tokens (8192) must be below 8192 on GB10"),
+    ({"max_num_batched_tokens": 16384}, "glm53_max_num_batched_tokens (16384) must be below 8192 on GB10"),
+    ({"block_size": 2176}, "glm53_block_size (2176) must be a multiple of 256 on GB10"),
+    ({"block_size": 64}, "glm53_block_size (64) must be a multiple of 256 on GB10"),
+])
+def test_gb10_refuses_what_breaks_its_kernels(changes, message):
+    errors = validate_settings(settings(gpu=True, **changes))
+    assert any(message in e for e in errors), errors
+    assert validate_settings(settings(gpu=False, **changes)) == []
+
+
+def test_gb10_accepts_its_defaults():
+    assert validate_settings(settings(gpu=True, max_num_batched_tokens=8191, block_size=2304)) == []
+    assert validate_settings(settings(gpu=True, max_num_batched_tokens=7168, block_size=0)) == []

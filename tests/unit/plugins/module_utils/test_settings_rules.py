@@ -52,6 +52,9 @@ def test_the_shipped_defaults_pass() -> None:
     ("glm53_image_platform", "arm64", "platform"),
     ("glm53_limit_mm", {"image": -1}, "count >= 0"),
     ("glm53_engine_env", {"BAD NAME": "1"}, "environment variable"),
+    ("glm53_kernel_config", {"enable flashinfer autotune": False}, "kernel-config field names"),
+    ("glm53_kernel_config", {"enable_flashinfer_autotune": [False]}, "true/false, numbers or strings"),
+    ("glm53_block_size", -1, ">= 0"),
     ("glm53_canary_max_tokens", 0, ">= 1"),
     # The health stage would raise re.error after the whole launch; refused before anything starts instead.
     ("glm53_canary_expect", "(?i)paris(", "regular expression that compiles (missing ), unterminated subpattern"),
