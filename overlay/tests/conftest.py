@@ -41,7 +41,7 @@ def tiny_glm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def vllm_033_source() -> Path:
-    """vLLM 0.33.0's source tree (the files the SM12x fixes read), from the sha256-pinned sdist (vllm_source.py)."""
-    import vllm_source
+    """vLLM 0.33.0's source tree (the files the SM12x fixes read), from the sha256-pinned sdist (tools/vllm_sdist.py)."""
+    from tools import vllm_sdist
 
-    return vllm_source.source_tree()
+    return vllm_sdist.source_tree()

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-import vllm_source
+from tools import vllm_sdist
 from glm53_overlay.sm12x import FAILED, NOT_NEEDED, kpool_tail_slots, run_fix
 from glm53_overlay.sm12x.source_guard import source_sha256
 
@@ -21,7 +21,7 @@ FUNCTIONS = ((INDEXER, "_kpool_tail_slot_mapping_kernel"), (INDEXER, "compute_kp
 
 @pytest.fixture
 def indexer_033(vllm_033_source: Path, tmp_path: Path) -> ModuleType:
-    module = vllm_source.stand_in_module("glm53_standin_mla_indexer", PREAMBLE, *FUNCTIONS, directory=tmp_path)
+    module = vllm_sdist.stand_in_module("glm53_standin_mla_indexer", PREAMBLE, *FUNCTIONS, directory=tmp_path)
     yield module
     sys.modules.pop(module.__name__, None)
 
@@ -42,10 +42,10 @@ def test_vllm_0_33_has_the_same_code_and_needs_no_clamp(indexer_033):
 
 
 def test_unclamped_code_is_refused_and_the_probe_sees_it_escape(tmp_path: Path):
-    text = PREAMBLE + "\n\n" + "\n\n".join(vllm_source.function_text(m, f) for m, f in FUNCTIONS)
+    text = PREAMBLE + "\n\n" + "\n\n".join(vllm_sdist.function_text(m, f) for m, f in FUNCTIONS)
     unclamped = text.replace("torch.remainder(pos, kpool)", "pos")
     assert unclamped != text
-    module = vllm_source.module_from_text("glm53_standin_unclamped", unclamped, tmp_path)
+    module = vllm_sdist.module_from_text("glm53_standin_unclamped", unclamped, tmp_path)
     try:
         assert kpool_tail_slots.escaped_slots(module) == [0, 1, 2, 3, 4, 5]
         status = run_fix(kpool_tail_slots, module, (12, 1))

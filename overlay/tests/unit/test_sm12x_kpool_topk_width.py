@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 from transformers import Glm5NextTextConfig
 
-import vllm_source
+from tools import vllm_sdist
 from glm53_overlay import sm12x
 from glm53_overlay.sm12x import APPLIED, FAILED, kpool_topk_width, run_fix
 
@@ -24,7 +24,7 @@ GLM53 = Glm5NextTextConfig(index_topk=2048, index_kpool=4)
 
 @pytest.fixture
 def model_module(vllm_033_source: Path, tmp_path: Path) -> ModuleType:
-    module = vllm_source.stand_in_module("glm53_standin_glm5next_model", PREAMBLE,
+    module = vllm_sdist.stand_in_module("glm53_standin_glm5next_model", PREAMBLE,
                                          (MODEL, "get_sparse_topk_buffer_width"), directory=tmp_path)
     yield module
     sys.modules.pop(module.__name__, None)
@@ -48,8 +48,8 @@ def test_on_sm12x_the_buffer_is_index_topk_wide(model_module, monkeypatch: pytes
 
 
 def test_changed_code_is_refused(model_module, tmp_path: Path):
-    text = vllm_source.function_text(MODEL, "get_sparse_topk_buffer_width").replace("128", "256")
-    changed = vllm_source.module_from_text("glm53_standin_changed", PREAMBLE + "\n\n" + text, tmp_path)
+    text = vllm_sdist.function_text(MODEL, "get_sparse_topk_buffer_width").replace("128", "256")
+    changed = vllm_sdist.module_from_text("glm53_standin_changed", PREAMBLE + "\n\n" + text, tmp_path)
     status = run_fix(kpool_topk_width, changed, (12, 1))
     assert status.state == FAILED and "source text changed" in status.detail
     assert changed.get_sparse_topk_buffer_width(GLM53) == 2304, "refused code stays vLLM's"
@@ -58,7 +58,7 @@ def test_changed_code_is_refused(model_module, tmp_path: Path):
 
 def test_the_wrong_function_is_refused(model_module, vllm_033_source: Path):
     wrong = ModuleType("glm53_standin_wrong")
-    wrong.get_sparse_topk_buffer_width = vllm_source.function_text  # any other function under that name
+    wrong.get_sparse_topk_buffer_width = vllm_sdist.function_text  # any other function under that name
     status = run_fix(kpool_topk_width, wrong, (12, 1))
     assert status.state == FAILED and "signature" in status.detail
 

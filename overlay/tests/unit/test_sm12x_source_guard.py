@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-import vllm_source
+from tools import vllm_sdist
 from glm53_overlay import sm12x
 from glm53_overlay.sm12x import indexer_topk, kpool_tail_slots, kpool_topk_width, pdl_gate
 from glm53_overlay.sm12x.source_guard import require_source, signature_text, source_sha256
@@ -28,7 +28,7 @@ GUARDED = [
 
 @pytest.mark.parametrize("fix, table, member, owner, function", GUARDED, ids=lambda v: getattr(v, "NAME", None))
 def test_each_fix_accepts_vllm_0_3_3s_text(vllm_033_source, fix, table, member, owner, function):
-    text = textwrap.dedent(vllm_source.function_text(member, function, owner))
+    text = textwrap.dedent(vllm_sdist.function_text(member, function, owner))
     digest = hashlib.sha256(text.encode()).hexdigest()
     assert [release for release, known in table.items() if known == digest and "0.33.0" in release]
 

@@ -18,6 +18,8 @@ import pytest
 import yaml
 from ansible_collections.sparkops.glm53.plugins.filter.serve import vllm_serve_argv
 
+from tools import vllm_sdist
+
 REPO = Path(__file__).resolve().parents[4]
 DEFAULTS = yaml.safe_load((REPO / "roles/glm53/defaults/main.yml").read_text())
 SIM = yaml.safe_load((REPO / "inventory/sim/group_vars/sparks.yml").read_text())
@@ -121,12 +123,7 @@ def test_vllm_0_33_has_the_same_kernel_config_fields(vllm_033_kernel_config: str
 
 @pytest.fixture(scope="module")
 def vllm_033_kernel_config() -> str:
-    sys.path.insert(0, str(REPO / "overlay" / "tests"))
-    try:
-        import vllm_source
-    finally:
-        sys.path.remove(str(REPO / "overlay" / "tests"))
-    return (vllm_source.source_tree() / "vllm/config/kernel.py").read_text()
+    return (vllm_sdist.source_tree() / "vllm/config/kernel.py").read_text()
 
 
 def test_the_rendered_json_is_what_vllm_reads():

