@@ -1,12 +1,12 @@
-"""The recipe's GB10 (SM12x) fixes that our vLLM still needs, carried as patches instead of edited files.
+"""The GB10 (SM12x) fixes that our vLLM still needs, carried as patches instead of edited files.
 
 Each fix is one module with the same surface: NAME, SOURCE, TARGET (the vLLM module it patches),
 SUPPORTED_VLLM (releases whose code it was checked against), `already_fixed(module, capability)` (why
-vLLM needs no help, or None) and `patch(module, capability)` (idempotent). A fix that replaces or relies on a
-function's text checks its signature and source sha256 first (`source_guard`), so changed code is `failed`. This package decides, per process, whether a fix applies:
-only on an SM12x device and a checked vLLM release; then it patches the target when that module is
-first imported (most targets are heavy, and register() runs in every vLLM process). docs/gb10.md lists
-the fixes, their sources, status and tests.
+vLLM needs no help, or None) and `patch(module, capability)` (idempotent). A fix that replaces or relies
+on a function's text checks its signature and source sha256 first (`source_guard`), so changed code is
+`failed`. This package decides, per process, whether a fix applies: only on an SM12x device and a checked
+vLLM release; then it patches the target when that module is first imported (most targets are heavy, and
+register() runs in every vLLM process). docs/gb10.md lists the fixes, their sources, status and tests.
 """
 
 from __future__ import annotations
