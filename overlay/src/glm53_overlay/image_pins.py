@@ -19,10 +19,12 @@ class Pin:
     minimum: str
     known_bad: tuple[str, ...]
     why: str
+    extras: str = ""
 
     @property
     def spec(self) -> str:
-        return f"{self.distribution}=={self.pinned}"
+        extras = f"[{self.extras}]" if self.extras else ""
+        return f"{self.distribution}{extras}=={self.pinned}"
 
 
 PINS = (
@@ -30,8 +32,10 @@ PINS = (
         "NCCL 2.29.7 and a 2.30 nightly lost the CX7 fabric between the two Sparks; 2.30.7 held it"),
     Pin("flashinfer-python", "0.6.18", "0.6.18", ("0.6.17",),
         "FlashInfer 0.6.17's FA2 path returns NaN at 64-256-row batches on SM12x"),
+    # cu13: the CUDA 13 kernel libraries (nvidia-cutlass-dsl-libs-cu13) for our cu130 base.
     Pin("nvidia-cutlass-dsl", "4.6.2", "4.6.2", (),
-        "the CuTe DSL version the two-Spark deployments pinned with FlashInfer 0.6.18 (its SM12x kernels)"),
+        "FlashInfer 0.6.18 requires nvidia-cutlass-dsl >= 4.6.2 (its package metadata); the field runs 4.6.2",
+        extras="cu13"),
 )
 
 

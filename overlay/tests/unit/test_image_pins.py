@@ -19,7 +19,7 @@ def test_the_dockerfile_installs_exactly_the_pins_the_selfcheck_judges():
     assert found is not None
     assert found.group(1).split() == [pin.spec for pin in PINS]
     assert [pin.spec for pin in PINS] == ["nvidia-nccl-cu13==2.30.7", "flashinfer-python==0.6.18",
-                                          "nvidia-cutlass-dsl==4.6.2"]
+                                          "nvidia-cutlass-dsl[cu13]==4.6.2"]
 
 
 @pytest.mark.parametrize("pin, version, bad", [
