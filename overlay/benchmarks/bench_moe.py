@@ -20,16 +20,13 @@ from pathlib import Path
 
 import torch
 
-from glm53_overlay.exl3 import gpu_checks, mcg4_moe, prefill_moe, runtime
+from glm53_overlay.exl3 import gpu_checks, mcg4_moe, runtime
 
 SHAPE = gpu_checks.GLM53_FLASH_RANK
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 # Our mcg4 kernels are also timed here above MCG4_MAX_TOKENS, where `apply` no longer uses them.
 MCG4_SHOWN_UP_TO = 128
-# Our prefill path (prefill_moe) from here, at two tile sizes (experts decoded at once).
-PREFILL_SHOWN_FROM = 128
-PREFILL_TILES = (16, 64)
 SETS = 16
 EAGER_REPS = 100
 GRAPH_REPS = 20
@@ -91,19 +88,6 @@ def coop_chunked(layer: runtime.Exl3CudaExperts, x, ids, w) -> torch.Tensor:
     chunks = [layer.apply_decode(x[i : i + step].half(), ids[i : i + step], w[i : i + step]).to(x.dtype, copy=True)
               for i in range(0, x.shape[0], step)]
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-
-
-def prefill_decode_only(layer: prefill_moe.PrefillExperts, x, ids, w) -> torch.Tensor:
-    """Only the decode part of our prefill path (same tiles, no GEMM): the decode / GEMM split."""
-    counts = torch.bincount(ids.reshape(-1), minlength=layer.num_experts).tolist()
-    plan = prefill_moe.tiles(counts, layer.tile)
-    touched = torch.tensor([e for group, _s, _n in plan for e in group], dtype=torch.int64, device=x.device)
-    done = 0
-    for group, _start, _rows in plan:
-        for name in ("gate", "up", "down"):
-            layer._decode(name, touched[done : done + len(group)], len(group))
-        done += len(group)
-    return torch.zeros_like(x)
 
 
 def time_eager(fn, sets) -> float:
@@ -195,11 +179,6 @@ def main() -> int:
     # engine leaves it off on SM12x, see mcg4_moe.PDL_MAJORS).
     ours_no_pdl = (mcg4_moe.Mcg4Experts(layer.gate, layer.up, layer.down, act_limit=SHAPE.act_limit, pdl=False)
                    if layer.ours is not None else None)
-    prefill_layers = {tile: prefill_moe.PrefillExperts(layer.gate, layer.up, layer.down, codebook=SHAPE.codebook,
-                                                       ext=layer.ext, act_limit=SHAPE.act_limit, tile_experts=tile)
-                      for tile in PREFILL_TILES}
-    print("prefill GEMM:", prefill_layers[PREFILL_TILES[0]].gemm, " scratch MB per tile:",
-          {t: prefill_moe.scratch_bytes(SHAPE.hidden, SHAPE.intermediate, t) / 1e6 for t in PREFILL_TILES})
     rows = []
     for tokens in args.tokens:
         sets = [gpu_checks.random_routing(SHAPE, tokens, gen, "cuda") for _ in range(SETS)]
@@ -217,12 +196,6 @@ def main() -> int:
             paths["ours_pdl_off"] = (ours_no_pdl.apply, True, expert_bytes_exl3)
         if layer.ours is not None and runtime.MCG4_MAX_TOKENS < tokens <= MCG4_SHOWN_UP_TO:
             paths["mcg4_unused"] = (layer.ours.apply, True, expert_bytes_exl3)
-        if tokens >= PREFILL_SHOWN_FROM:
-            for tile, pre in prefill_layers.items():
-                paths[f"ours_prefill_t{tile}"] = (
-                    lambda x, i, w, pre=pre: pre.apply(x.half(), i, w).to(x.dtype), False, expert_bytes_exl3)
-                paths[f"prefill_decode_only_t{tile}"] = (
-                    lambda x, i, w, pre=pre: prefill_decode_only(pre, x, i, w), False, expert_bytes_exl3)
         if tokens <= runtime.COOP_CHUNKED_MAX_TOKENS:
             paths["exl3_moe_coop"] = (lambda x, i, w: coop_chunked(layer, x, i, w), True, expert_bytes_exl3)
         for name, (fn, graphable, per_expert) in paths.items():
@@ -256,9 +229,6 @@ def main() -> int:
         "sms": torch.cuda.get_device_properties(0).multi_processor_count,
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "exllamav3": gpu_checks.exllamav3_version(),
-        "prefill_gemm": prefill_layers[PREFILL_TILES[0]].gemm,
-        "prefill_scratch_bytes": {str(t): prefill_moe.scratch_bytes(SHAPE.hidden, SHAPE.intermediate, t)
-                                  for t in PREFILL_TILES},
         "shapes": {"hidden": SHAPE.hidden, "experts": SHAPE.experts, "top_k": SHAPE.top_k,
                    "intermediate_per_rank": SHAPE.intermediate, "bits": SHAPE.bits, "codebook": SHAPE.codebook,
                    "act_limit": SHAPE.act_limit},

@@ -1,6 +1,7 @@
-"""Our prefill MoE path (exl3/prefill_moe.py) on CPU: tiling, the engine's per-size choice, and the whole apply
-against the exact reference with exllamav3's `reconstruct_had_batch` / `silu_mul` replaced by their CPU stand-ins
-(tests/unit/exl3_cpu_kernels.py: the exact decoder, read through the same pointer tables).
+"""Our prefill MoE path (exl3/prefill_moe.py) on CPU: the device-side routing, the engine's per-size choice (read back
+from the committed H200 results), and the whole apply against the exact reference with exllamav3's
+`reconstruct_had_batch` replaced by its CPU stand-in (tests/unit/exl3_cpu_kernels.py: the exact decoder, read through
+the same pointer tables) and our Triton GEMMs by their torch twin (`prefill_gemm.tile_mlp_reference`).
 """
 
 from __future__ import annotations
@@ -17,37 +18,52 @@ from glm53_overlay.exl3.reference import dequantize
 
 SHAPE = gpu_checks.MoeShape(hidden=256, experts=6, top_k=2, intermediate=128)
 # The committed H200 prefill benchmark that runtime.PREFILL_MEASURED is taken from (results/prefill/COMMAND.md).
-PREFILL_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "prefill" / "bench_moe.json"
+PREFILL_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "prefill" / "bench_prefill.json"
+# The rows of the two paths the engine chooses between (bench_prefill.py).
+ROW_OF_PATH = {runtime.PATH_PREFILL: "ours_syncfree", runtime.PATH_FUSED: "ours_plan"}
 
 
 def _committed_winners() -> dict[int, str]:
-    """Per token count of the committed results, the faster of exllamav3's exl3_moe (row `exl3_moe_fused`) and our
-    prefill path at the engine's default tile (row `ours_prefill_t16`), by eager median (our path runs eager only).
-    Read from the JSON here, not from runtime, so a table that disagrees with the measurement fails."""
-    rows = json.loads(PREFILL_RESULTS.read_text())["rows"]
-    eager_us = {(row["path"], row["tokens"]): row["eager_us"] for row in rows}
-    ours = "ours_prefill_t%d" % prefill_moe.DEFAULT_TILE_EXPERTS
-    sizes = sorted({tokens for path, tokens in eager_us if path == ours})
-    assert sizes, "no %s rows in %s" % (ours, PREFILL_RESULTS)
-    return {tokens: runtime.PATH_PREFILL if eager_us[(ours, tokens)] < eager_us[("exl3_moe_fused", tokens)]
-            else runtime.PATH_FUSED for tokens in sizes}
+    """Per token count of the committed results (random routing: the engine cannot know the routing ahead), the
+    faster of our sync-free path and exllamav3's plan with our GEMMs, by event time. Read from the JSON here, not
+    from runtime, so a table that disagrees with the measurement fails."""
+    rows = [row for row in json.loads(PREFILL_RESULTS.read_text())["rows"] if row["routing"] == "random"]
+    event_us = {(row["path"], row["tokens"]): row["event_us"] for row in rows if "event_us" in row}
+    sizes = sorted({tokens for _path, tokens in event_us})
+    assert sizes, "no timed rows in %s" % PREFILL_RESULTS
+    return {tokens: min(ROW_OF_PATH, key=lambda path: event_us[(ROW_OF_PATH[path], tokens)]) for tokens in sizes}
 
 
-def _committed_threshold(winners: dict[int, str]) -> int | None:
-    """The smallest measured count from which our path won at every larger measured count (None: it never did)."""
-    threshold = None
-    for tokens in sorted(winners, reverse=True):
-        if winners[tokens] != runtime.PATH_PREFILL:
-            break
-        threshold = tokens
-    return threshold
+def test_engine_table_is_the_committed_measurement():
+    # Every measured size with the winner the committed results show, and nothing else.
+    assert dict(runtime.PREFILL_MEASURED) == _committed_winners()
+    assert len(dict(runtime.PREFILL_MEASURED)) == len(runtime.PREFILL_MEASURED)
 
 
-def test_tiles_group_touched_experts_with_contiguous_rows():
-    counts = [3, 0, 2, 5, 0, 1, 4]
-    # rows sorted by expert: e0 0-2, e2 3-4, e3 5-9, e5 10, e6 11-14
-    assert prefill_moe.tiles(counts, 2) == [([0, 2], 0, 5), ([3, 5], 5, 6), ([6], 11, 4)]
-    assert prefill_moe.tiles([0, 0], 4) == []
+def test_a_table_that_disagrees_with_the_results_is_caught():
+    # The check above is not vacuous: flip any one measured size and it no longer matches.
+    for index, (tokens, path) in enumerate(runtime.PREFILL_MEASURED):
+        other = runtime.PATH_FUSED if path == runtime.PATH_PREFILL else runtime.PATH_PREFILL
+        flipped = list(runtime.PREFILL_MEASURED)
+        flipped[index] = (tokens, other)
+        assert dict(flipped) != _committed_winners()
+
+
+def test_table_per_gpu():
+    assert runtime.prefill_measured((9, 0)) == runtime.PREFILL_MEASURED
+    assert runtime.prefill_measured(None) == runtime.PREFILL_MEASURED  # the CPU stand-ins
+    # GB10: the bytes-moved estimate keeps exllamav3's plan at every size; unmeasured GPUs likewise.
+    assert not any(runtime.prefill_wins(t, runtime.prefill_measured((12, 1))) for t in (512, 4096, 65536))
+    assert not runtime.prefill_wins(8192, runtime.prefill_measured((8, 0)))
+
+
+def test_routing_sorts_by_expert_on_the_device_side():
+    ids = torch.tensor([[2, 0], [9, 2], [1, 2]])  # 9: an expert of another rank
+    w = torch.tensor([[0.5, 0.25], [1.0, 0.75], [0.125, 0.0625]])
+    counts, starts, tok, wt = prefill_moe.routing(ids, w, 3)
+    assert counts.tolist() == [1, 1, 3, 1] and starts.tolist() == [0, 1, 2, 5]
+    assert tok.tolist() == [0, 2, 0, 1, 2, 1]
+    assert wt.tolist() == [0.25, 0.125, 0.5, 0.75, 0.0625, 1.0]
 
 
 def test_scratch_bytes_of_the_glm53_rank_shape():
@@ -71,12 +87,6 @@ def test_prefill_wins_uses_the_largest_measured_count_at_or_below():
     assert not runtime.prefill_wins(9000, measured)
 
 
-def test_engine_table_is_the_committed_measurement():
-    # Every measured size with the winner the committed results show, and nothing else.
-    assert dict(runtime.PREFILL_MEASURED) == _committed_winners()
-    assert len(dict(runtime.PREFILL_MEASURED)) == len(runtime.PREFILL_MEASURED)
-
-
 def _layer(monkeypatch, choice: str) -> runtime.Exl3CudaExperts:
     monkeypatch.setattr(runtime, "load_kernels", lambda: exl3_cpu_kernels.EXLLAMAV3)
     monkeypatch.setenv(runtime.PREFILL_KERNEL_ENV, choice)
@@ -91,8 +101,8 @@ def _probe_sizes() -> list[int]:
 
 
 def test_path_for_picks_ours_only_where_the_committed_results_say_it_won(monkeypatch):
-    # Expected path from the JSON alone: the winner at the largest measured count <= tokens, exl3_moe below the
-    # smallest; the coop kernels up to COOP_CHUNKED_MAX_TOKENS (our decode kernels are off in _layer).
+    # Expected path from the JSON alone: the winner at the largest measured count <= tokens, exllamav3's plan below
+    # the smallest; the coop kernels up to COOP_CHUNKED_MAX_TOKENS (our decode kernels are off in _layer).
     winners = _committed_winners()
     layer = _layer(monkeypatch, "ours")
     assert layer.prefill is not None
@@ -107,15 +117,6 @@ def test_path_for_picks_ours_only_where_the_committed_results_say_it_won(monkeyp
         assert layer.path_for(tokens) == expected, tokens
 
 
-def test_prefill_switch_sits_where_the_committed_results_cross(monkeypatch):
-    # The committed H200 results: exl3_moe wins up to 2048 tokens, ours from 4096 (docs: "from 4096 tokens only").
-    threshold = _committed_threshold(_committed_winners())
-    assert threshold == 4096
-    layer = _layer(monkeypatch, "ours")
-    assert layer.path_for(threshold) == runtime.PATH_PREFILL
-    assert layer.path_for(threshold - 1) == runtime.PATH_FUSED
-
-
 def test_exllamav3_switch_turns_our_prefill_off(monkeypatch):
     layer = _layer(monkeypatch, "exllamav3")
     assert layer.prefill is None
@@ -128,18 +129,38 @@ def test_bad_prefill_switch_is_refused(monkeypatch):
         runtime.prefill_kernel_choice()
 
 
+def _dense(layer: runtime.Exl3CudaExperts) -> dict[str, torch.Tensor]:
+    return {name: torch.stack([dequantize(p.trellis[e], p.suh[e], p.svh[e], codebook="mcg") for e in range(SHAPE.experts)])
+            for name, p in layer.projections().items()}
+
+
 @pytest.mark.parametrize("tile", [1, 4, 16])
 def test_apply_matches_the_exact_reference(monkeypatch, tile):
     layer = _layer(monkeypatch, "ours")
     pre = prefill_moe.PrefillExperts(layer.gate, layer.up, layer.down, codebook=SHAPE.codebook,
                                      ext=exl3_cpu_kernels.EXLLAMAV3, act_limit=SHAPE.act_limit, tile_experts=tile)
-    dense = {name: torch.stack([dequantize(p.trellis[e], p.suh[e], p.svh[e], codebook="mcg") for e in range(SHAPE.experts)])
-             for name, p in layer.projections().items()}
     gen = torch.Generator().manual_seed(3)
     x, ids, w = gpu_checks.random_routing(SHAPE, 40, gen, "cpu")
     ids[0, 0] = -1  # an expert of another rank: contributes nothing here
     out = pre.apply(x.half(), ids, w)
     keep = ids >= 0
-    ref = gpu_checks.reference_moe(dense, x.half(), torch.where(keep, ids, 0), torch.where(keep, w, 0.0), SHAPE.act_limit)
+    ref = gpu_checks.reference_moe(_dense(layer), x.half(), torch.where(keep, ids, 0), torch.where(keep, w, 0.0),
+                                   SHAPE.act_limit)
     assert out.dtype == torch.float32 and out.shape == (40, SHAPE.hidden)
+    assert gpu_checks.rel_err(out, ref) <= 3e-3
+
+
+def test_heavy_experts_take_our_tiles_in_exllamav3s_plan(monkeypatch):
+    # 300 tokens with expert 1 on every token: above exl3_moe's 128 rows, so apply_fused runs it through
+    # apply_experts, the rest through exl3_moe (its CPU stand-in); the sum matches the exact reference.
+    layer = _layer(monkeypatch, "ours")
+    seen = []
+    real = layer.prefill.apply_experts
+    monkeypatch.setattr(layer.prefill, "apply_experts", lambda *a: (seen.append(a[3]), real(*a)))
+    gen = torch.Generator().manual_seed(4)
+    x, ids, w = gpu_checks.random_routing(SHAPE, 300, gen, "cpu", skew_expert=1, skew=1.0)
+    out = layer.apply_fused(x.half(), ids, w)
+    counts = torch.bincount(ids.reshape(-1), minlength=SHAPE.experts).tolist()
+    assert seen == [[e for e, c in enumerate(counts) if c > runtime.FUSED_ROWS]] and 1 in seen[0]
+    ref = gpu_checks.reference_moe(_dense(layer), x.half(), ids, w, SHAPE.act_limit)
     assert gpu_checks.rel_err(out, ref) <= 3e-3

@@ -1,20 +1,21 @@
-"""Our prefill MoE path: decode the routed experts into a bounded fp16 scratch, tile by tile, and run
-library GEMMs over them, with the experts still stored packed.
+"""Our prefill MoE path: decode routed experts into a bounded fp16 scratch, a tile of experts at a time, and run
+Triton grouped GEMMs over them (`prefill_gemm.py`), with the experts still stored packed. No host sync.
 
 For one call (x [T, hidden], top-k routing):
-1. the T*k assignments are sorted by expert on the device; the per-expert counts are read back to the
-   host once (so this path is for eager prefill, never inside a CUDA graph capture: `runtime` keeps the
-   exllamav3 path there);
-2. the touched experts are taken `tile_experts` at a time: exllamav3's `reconstruct_had_batch` decodes
-   each projection of the tile into fp16 W = diag(suh) . H . W_hat . H . diag(svh) (the reference
-   decoder's weight, in one launch per projection from the pointer tables), then gate and up run as
-   grouped GEMMs over the tile's rows (one strided-batched fp16 GEMM over rows padded to the tile's
-   largest expert; torch._grouped_mm on fp16 measured slower), SwiGLU with exllamav3's clamp (`silu_mul`),
-   and the down GEMM;
-3. each row's output, times its routing weight, is summed into the fp32 result (index_add_).
+1. the T*k assignments are sorted by expert on the device, with the per-expert counts and starts (`routing`);
+   nothing is read back, so the launch sequence is fixed by T alone and the call can be captured in a CUDA graph;
+2. every expert of the layer is taken `tile_experts` at a time (at prefill sizes nearly all are touched: 512
+   tokens x top-8 over 288 experts leave about 0.2% untouched): exllamav3's `reconstruct_had_batch` decodes
+   each projection of the tile into fp16 W = diag(suh) . H . W_hat . H . diag(svh) (the reference decoder's
+   weight, exllamav3's own batched-reconstruct formulation), one launch per projection;
+3. two Triton kernels per tile: gate and up over each expert's rows with SwiGLU and exllamav3's clamp fused in
+   (fp16 activations), then down, weighted and added into the fp32 result.
+
+`apply_experts` runs the same tiles over a host-given list of experts only: the engine's exllamav3-style plan
+uses it for the experts above exl3_moe's row capacity (the counts are on the host there already).
 
 Peak scratch: the tile's decoded weights, 3 * tile_experts * hidden * intermediate * 2 bytes (16 experts
-at GLM-5.3 Flash's TP=2 rank shape: 403 MB), plus the gathered rows and activations of the call.
+at GLM-5.3 Flash's TP=2 rank shape: 403 MB), plus the activations of the call (T * k * intermediate fp16).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from glm53_overlay.exl3 import prefill_gemm
 from glm53_overlay.exl3.packing import PackedProjection
 
 TILE_ENV = "GLM53_EXL3_MOE_PREFILL_TILE"
@@ -47,38 +49,32 @@ def scratch_bytes(hidden: int, intermediate: int, tile_experts: int) -> int:
     return 3 * tile_experts * hidden * intermediate * 2
 
 
-def tiles(counts: list[int], tile_experts: int) -> list[tuple[list[int], int, int]]:
-    """The touched experts in groups of `tile_experts`: (experts, first sorted row, row count) each.
+Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
-    Rows are sorted by expert, so each group's rows are one contiguous range.
+
+def routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> Routing:
+    """(counts [E+1], starts [E+1], token of each sorted assignment, its weight fp32), all on the device.
+
+    Assignments are sorted by expert (stable); ids outside [0, E) (experts of other ranks) sort into bin E,
+    which no tile reads. No host sync: counts by scatter_add_ (CUDA bincount reads the max back).
     """
-    out: list[tuple[list[int], int, int]] = []
-    start = 0
-    group: list[int] = []
-    group_start = 0
-    rows = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        if not group:
-            group_start = start
-        group.append(expert)
-        rows += count
-        start += count
-        if len(group) == tile_experts:
-            out.append((group, group_start, rows))
-            group, rows = [], 0
-    if group:
-        out.append((group, group_start, rows))
-    return out
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    starts = torch.cumsum(counts, 0) - counts
+    return counts, starts, order // top_k, topk_weights.reshape(-1).float()[order]
 
 
 class PrefillExperts:
-    """Tile-decoded grouped-GEMM MoE over one layer's packed experts (CUDA; exllamav3's extension)."""
+    """Tile-decoded grouped-GEMM MoE over one layer's packed experts (CUDA: exllamav3's reconstruct + our
+    Triton GEMMs; CPU: the extension's stand-ins + `prefill_gemm.tile_mlp_reference`, for the tests)."""
 
     def __init__(
         self, gate: PackedProjection, up: PackedProjection, down: PackedProjection, *, codebook: str, ext: Any,
-        act_limit: float = 0.0, tile_experts: int | None = None,
+        act_limit: float = 0.0, tile_experts: int | None = None, overlap: bool = True,
     ) -> None:
         self.projections = {"gate": gate, "up": up, "down": down}
         self.ptrs = {name: p.pointer_tables() for name, p in self.projections.items()}
@@ -89,79 +85,83 @@ class PrefillExperts:
         self.num_experts = gate.num_experts
         self.hidden, self.intermediate = gate.in_features, gate.out_features
         self.device = gate.trellis.device
-        self._scratch: dict[str, torch.Tensor] | None = None
-        # Padded strided-batched GEMM: measured faster than fp16 torch._grouped_mm at every size and tile on the
-        # H200 (benchmarks/results/prefill/prefill_gemm_probe.json); `grouped_mm` stays selectable for that probe.
-        self.gemm = "bmm_padded"
+        self.all_ids = torch.arange(self.num_experts, dtype=torch.int64, device=self.device)
+        self._scratch: list[dict[str, torch.Tensor] | None] | None = None
+        self._stream: torch.cuda.Stream | None = None
+        # Decode of the next tile overlaps this tile's GEMMs (CUDA; twice the scratch).
+        self.overlap = overlap
+        self.gemm = "triton grouped (prefill_gemm)"
+        self.tile_mlp = prefill_gemm.tile_mlp if self.device.type == "cuda" else prefill_gemm.tile_mlp_reference
 
-    def scratch(self) -> dict[str, torch.Tensor]:
+    def scratch(self, buffer: int = 0) -> dict[str, torch.Tensor]:
+        """Decoded-weight scratch for one tile; two buffers when decode overlaps the GEMMs."""
         if self._scratch is None:
+            self._scratch = [None, None]
+        if self._scratch[buffer] is None:
             kw = {"dtype": torch.float16, "device": self.device}
             h, i, t = self.hidden, self.intermediate, self.tile
-            self._scratch = {"gate": torch.empty((t, h, i), **kw), "up": torch.empty((t, h, i), **kw),
-                             "down": torch.empty((t, i, h), **kw)}
-        return self._scratch
+            self._scratch[buffer] = {"gate": torch.empty((t, h, i), **kw), "up": torch.empty((t, h, i), **kw),
+                                     "down": torch.empty((t, i, h), **kw)}
+        return self._scratch[buffer]
 
-    def _decode(self, name: str, experts: torch.Tensor, count: int) -> torch.Tensor:
+    def _decode(self, name: str, lo: int, hi: int, ids: torch.Tensor | None, buffer: int) -> torch.Tensor:
+        """Decode experts lo:hi of the layer (ids None) or the experts `ids` into the tile scratch."""
         p = self.projections[name]
-        w = self.scratch()[name][:count]
-        trellis, suh, svh = (t.index_select(0, experts) for t in self.ptrs[name])
-        self.ext.reconstruct_had_batch(w, trellis, suh, svh, float(p.bits), self.mcg, self.mul1)
+        w = self.scratch(buffer)[name][: hi - lo]
+        if ids is None:
+            tables = tuple(t[lo:hi] for t in self.ptrs[name])
+        else:
+            tables = tuple(t.index_select(0, ids) for t in self.ptrs[name])
+        self.ext.reconstruct_had_batch(w, *tables, float(p.bits), self.mcg, self.mul1)
         return w
 
+    def _decode_tile(self, lo: int, hi: int, ids: torch.Tensor | None, buffer: int) -> tuple[torch.Tensor, ...]:
+        return tuple(self._decode(name, lo, hi, ids, buffer) for name in ("gate", "up", "down"))
+
+    def _run_tiles(self, x16: torch.Tensor, route: Routing, out: torch.Tensor, experts: torch.Tensor,
+                   select: bool) -> None:
+        counts, starts, tok_sorted, w_sorted = route
+        act = torch.empty((tok_sorted.shape[0], self.intermediate), dtype=torch.float16, device=x16.device)
+        bounds = [(lo, min(lo + self.tile, experts.shape[0])) for lo in range(0, experts.shape[0], self.tile)]
+        if not (self.overlap and x16.is_cuda and len(bounds) > 1):
+            for lo, hi in bounds:
+                ids = experts[lo:hi]
+                weights = self._decode_tile(lo, hi, ids if select else None, 0)
+                self.tile_mlp(x16, tok_sorted, w_sorted, ids, starts, counts, *weights, act, out, self.act_limit)
+            return
+        # Decode tile t+1 on a side stream while the GEMMs of tile t run: two scratch buffers, events between.
+        main = torch.cuda.current_stream(x16.device)
+        side = self._side_stream()
+        side.wait_stream(main)
+        ready = [torch.cuda.Event(), torch.cuda.Event()]
+        free = [torch.cuda.Event(), torch.cuda.Event()]
+        for t, (lo, hi) in enumerate(bounds):
+            buffer = t % 2
+            ids = experts[lo:hi]
+            with torch.cuda.stream(side):
+                if t >= 2:
+                    side.wait_event(free[buffer])
+                weights = self._decode_tile(lo, hi, ids if select else None, buffer)
+                ready[buffer].record(side)
+            main.wait_event(ready[buffer])
+            self.tile_mlp(x16, tok_sorted, w_sorted, ids, starts, counts, *weights, act, out, self.act_limit)
+            free[buffer].record(main)
+        main.wait_stream(side)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
     def apply(self, x16: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """fp32 [T, hidden] routed sum for fp16 x16 [T, hidden]; one host read of the expert counts."""
-        tokens, top_k = topk_ids.shape
-        flat = topk_ids.reshape(-1).to(torch.int64)
-        # Ids of experts not on this rank sort into a last bin that no tile reads.
-        flat = torch.where((flat >= 0) & (flat < self.num_experts), flat, torch.full_like(flat, self.num_experts))
-        order = torch.argsort(flat, stable=True)
-        rows = order // top_k
-        counts_dev = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x16.device)
-        counts_dev.scatter_add_(0, flat, torch.ones_like(flat))
-        counts = counts_dev.tolist()[: self.num_experts]  # the one host read (eager prefill only)
-        xs = x16.index_select(0, rows)
-        ws = topk_weights.reshape(-1).float()[order].unsqueeze(1)
-        out = torch.zeros((tokens, self.hidden), dtype=torch.float32, device=x16.device)
-        plan = tiles(counts, self.tile)
-        touched = torch.tensor([e for group, _s, _n in plan for e in group], dtype=torch.int64, device=x16.device)
-        done = 0
-        for group, start, nrows in plan:
-            experts = touched[done : done + len(group)]
-            done += len(group)
-            group_counts = [counts[e] for e in group]
-            w_gate = self._decode("gate", experts, len(group))
-            w_up = self._decode("up", experts, len(group))
-            w_down = self._decode("down", experts, len(group))
-            xt = xs[start : start + nrows]
-            mm = _GroupedRows(group_counts, x16.device, self.gemm)
-            gate = mm(xt, w_gate)
-            up = mm(xt, w_up)
-            act = torch.empty_like(gate)
-            self.ext.silu_mul(gate, up, act, self.act_limit)
-            y = mm(act, w_down)
-            out.index_add_(0, rows[start : start + nrows], y.float() * ws[start : start + nrows])
+        """fp32 [T, hidden] routed sum for fp16 x16 [T, hidden] over every expert; no host sync."""
+        route = routing(topk_ids, topk_weights, self.num_experts)
+        out = torch.zeros((x16.shape[0], self.hidden), dtype=torch.float32, device=x16.device)
+        self._run_tiles(x16.contiguous(), route, out, self.all_ids, select=False)
         return out
 
-
-class _GroupedRows:
-    """y[rows of group g] = x[rows of group g] @ w[g], groups contiguous with host-known counts."""
-
-    def __init__(self, counts: list[int], device: torch.device, how: str) -> None:
-        self.counts, self.how = counts, how
-        counts_t = torch.tensor(counts, dtype=torch.int64, device=device)
-        if how == "grouped_mm":
-            self.offs = torch.cumsum(counts_t, 0).to(torch.int32)
-        else:
-            self.cmax = max(counts)
-            starts = torch.cumsum(counts_t, 0) - counts_t
-            self.gid = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t,
-                                               output_size=sum(counts))
-            self.pos = torch.arange(sum(counts), device=device) - starts[self.gid]
-
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.how == "grouped_mm":
-            return torch._grouped_mm(x, w, offs=self.offs)
-        slab = torch.zeros((len(self.counts), self.cmax, x.shape[1]), dtype=x.dtype, device=x.device)
-        slab[self.gid, self.pos] = x
-        return torch.bmm(slab, w)[self.gid, self.pos]
+    def apply_experts(self, x16: torch.Tensor, route: Routing, out: torch.Tensor, experts: list[int]) -> None:
+        """Add the routed sum over `experts` only (host-known ids, e.g. the heavy ones) into fp32 out."""
+        if experts:
+            ids = torch.tensor(experts, dtype=torch.int64).to(x16.device, non_blocking=True)
+            self._run_tiles(x16.contiguous(), route, out, ids, select=True)

@@ -24,12 +24,14 @@ Paths, by token count T:
 - COOP_CHUNKED_MAX_TOKENS < T <= FUSED_ROWS: `exl3_moe` over device-built routing tables. An expert
   gets at most one row per token, so no expert can exceed the fused kernel's row capacity and the
   counts never leave the device.
-- T > FUSED_ROWS (prefill): one host read of the per-expert counts; experts within the fused
-  capacity run through `exl3_moe`, heavier ones through per-expert `exl3_gemm` calls. Inside a CUDA
-  graph capture, `exl3_moe` on chunks of FUSED_ROWS tokens instead (no host read).
-- Prefill sizes where PREFILL_MEASURED says ours won (4096 tokens and up on the H200): our tiled decode +
-  batched GEMM path (`prefill_moe.py`, one host read, eager only; a graph capture keeps exl3_moe's chunks).
-  Set GLM53_EXL3_MOE_PREFILL=exllamav3 to keep exllamav3's path there too.
+- T > FUSED_ROWS (prefill), exllamav3 1.6.5's plan: one host read of the per-expert counts; experts
+  within the fused capacity run through `exl3_moe`, heavier ones through our tiles (`prefill_moe`:
+  exllamav3's batched reconstruct + our Triton grouped GEMMs; per-expert `exl3_gemm` calls when our
+  prefill path is off). Inside a CUDA graph capture, `exl3_moe` on chunks of FUSED_ROWS tokens instead.
+- Prefill sizes where the GPU's PREFILL_MEASURED table says ours won: our sync-free path (`prefill_moe.py`:
+  every expert decoded a tile at a time, Triton grouped GEMMs, no host read, graph safe).
+  Set GLM53_EXL3_MOE_PREFILL=exllamav3 to keep exllamav3's kernels everywhere (per-expert exl3_gemm above
+  the fused capacity).
 
 Imports only torch at module import; exllamav3's extension is loaded on first use and its
 absence (or a missing kernel) is an error, never a silent fallback.
@@ -79,18 +81,29 @@ PATH_FUSED = "exl3_moe"
 PATH_PREFILL = "ours (tiled decode + grouped GEMM)"
 PREFILL_KERNEL_ENV = "GLM53_EXL3_MOE_PREFILL"
 PREFILL_KERNELS = ("ours", "exllamav3")
-# Which path won at each measured prefill size (H200, 2026-12-01, one TP=2 rank of GLM-5.3 Flash, tile of 16
-# experts: overlay/benchmarks/results/prefill/bench_moe.json; exl3_moe / ours in us: 2633/13795, 2798/13974,
-# 3670/14007, 5815/14612, 10049/16013, 23006/17866). A token count uses the winner of the largest measured
-# count at or below it; below the smallest, exllamav3.
+# Which prefill path won at each measured size on the H200, random routing, one TP=2 rank of GLM-5.3 Flash:
+# PATH_PREFILL is our sync-free path (row `ours_syncfree`), PATH_FUSED exllamav3's plan with our GEMMs for the
+# heavy experts (row `ours_plan`), by event time in overlay/benchmarks/results/prefill/bench_prefill.json;
+# tests/unit/test_exl3_prefill_moe.py re-derives this table from that file and fails when they disagree. A token
+# count uses the winner of the largest measured count at or below it; below the smallest, PATH_FUSED.
 PREFILL_MEASURED: tuple[tuple[int, str], ...] = (
-    (128, PATH_FUSED),
-    (256, PATH_FUSED),
     (512, PATH_FUSED),
     (1024, PATH_FUSED),
-    (2048, PATH_FUSED),
+    (2048, PATH_PREFILL),
     (4096, PATH_PREFILL),
+    (7168, PATH_PREFILL),
+    (8192, PATH_PREFILL),
 )
+# Per GPU (compute capability). Not measured elsewhere; GB10 (12, 1) is an estimate from bytes moved at its
+# ~273 GB/s: our sync-free path writes and re-reads every expert decoded to fp16 (2 x 7.25 GB, plus 1.8 GB packed,
+# per layer call at this shape: >= 60 ms), exl3_moe reads each packed expert once (1.8 GB: >= 6.6 ms), so
+# exllamav3's plan at every size there. Other GPUs: the same, until measured.
+PREFILL_MEASURED_BY_ARCH: dict[tuple[int, int], tuple[tuple[int, str], ...]] = {(9, 0): PREFILL_MEASURED, (12, 1): ()}
+
+
+def prefill_measured(capability: tuple[int, int] | None) -> tuple[tuple[int, str], ...]:
+    """The prefill table for a GPU; None (the CPU stand-ins of the tests) gets the H200's."""
+    return PREFILL_MEASURED if capability is None else PREFILL_MEASURED_BY_ARCH.get(capability, ())
 
 
 def prefill_kernel_choice() -> str:
@@ -210,6 +223,8 @@ class Exl3CudaExperts:
         self._fused: dict[str, torch.Tensor] | None = None
         self.ours = self._our_decode_path()
         self.prefill = self._our_prefill_path()
+        self.prefill_measured = prefill_measured(
+            torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None)
 
     def _our_prefill_path(self) -> prefill_moe.PrefillExperts | None:
         # Older exllamav3 builds lack the batched fused reconstruct: then prefill stays on exl3_moe.
@@ -257,8 +272,8 @@ class Exl3CudaExperts:
                 for i in range(0, tokens, DECODE_MAX_TOKENS)
             ]
             return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-        if path == PATH_PREFILL and not (x16.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # Reads the expert counts back once: eager prefill only; a graph capture keeps exl3_moe's chunks.
+        if path == PATH_PREFILL:
+            # No host sync: also inside a CUDA graph capture.
             return self.prefill.apply(x16, topk_ids, topk_weights).to(x.dtype)
         return self.apply_fused(x16, topk_ids, topk_weights).to(x.dtype)
 
@@ -268,7 +283,7 @@ class Exl3CudaExperts:
             return PATH_OURS
         if tokens <= COOP_CHUNKED_MAX_TOKENS:
             return PATH_COOP
-        if self.prefill is not None and prefill_wins(tokens):
+        if self.prefill is not None and prefill_wins(tokens, self.prefill_measured):
             return PATH_PREFILL
         return PATH_FUSED
 
@@ -327,6 +342,13 @@ class Exl3CudaExperts:
         light = sum(1 for c in counts if 0 < c <= FUSED_ROWS)
         if light:
             self._run_fused(x16, out, expert_count, token_sorted, weight_sorted, num_active=light)
+        heavy = [expert for expert, count in enumerate(counts) if count > FUSED_ROWS]
+        if heavy and self.prefill is not None:
+            # exllamav3 1.6.5's plan (BlockSparseMLP.forward): the experts above exl3_moe's rows decoded a tile
+            # at a time and run as grouped GEMMs; here our Triton GEMMs over exllamav3's reconstruct.
+            starts = torch.cumsum(expert_count, 0) - expert_count
+            self.prefill.apply_experts(x16, (expert_count, starts, token_sorted, weight_sorted), out, heavy)
+            return out
         start = 0
         for expert, count in enumerate(counts):
             if count > FUSED_ROWS:
