@@ -25,7 +25,7 @@ EXL3_LAYERS = (
     ("gpu_checks",),
     ("runtime",),
     ("mcg4_moe", "prefill_moe"),
-    ("packing", "writer", "vectors"),
+    ("packing", "writer", "vectors", "prefill_gemm"),
     ("reference",),
     ("codebook", "trellis", "hadamard", "dense"),
 )
