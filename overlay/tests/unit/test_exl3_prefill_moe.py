@@ -164,3 +164,12 @@ def test_heavy_experts_take_our_tiles_in_exllamav3s_plan(monkeypatch):
     assert seen == [[e for e, c in enumerate(counts) if c > runtime.FUSED_ROWS]] and 1 in seen[0]
     ref = gpu_checks.reference_moe(_dense(layer), x.half(), ids, w, SHAPE.act_limit)
     assert gpu_checks.rel_err(out, ref) <= 3e-3
+
+
+def test_layers_of_one_shape_share_the_decode_scratch(monkeypatch):
+    # One scratch per shape, not per layer: a model's ~45 MoE layers would otherwise hold 45 x 806 MB.
+    layer = _layer(monkeypatch, "ours")
+    a, b = (prefill_moe.PrefillExperts(layer.gate, layer.up, layer.down, codebook=SHAPE.codebook,
+                                       ext=exl3_cpu_kernels.EXLLAMAV3, tile_experts=4) for _ in range(2))
+    assert a.scratch(0)["gate"].data_ptr() == b.scratch(0)["gate"].data_ptr()
+    assert a.scratch(1)["gate"].data_ptr() != a.scratch(0)["gate"].data_ptr()

@@ -14,8 +14,9 @@ For one call (x [T, hidden], top-k routing):
 `apply_experts` runs the same tiles over a host-given list of experts only: the engine's exllamav3-style plan
 uses it for the experts above exl3_moe's row capacity (the counts are on the host there already).
 
-Peak scratch: the tile's decoded weights, 3 * tile_experts * hidden * intermediate * 2 bytes (16 experts
-at GLM-5.3 Flash's TP=2 rank shape: 403 MB), plus the activations of the call (T * k * intermediate fp16).
+Scratch: the tile's decoded weights, 3 * tile_experts * hidden * intermediate * 2 bytes (16 experts at GLM-5.3
+Flash's TP=2 rank shape: 403 MB), twice when the next tile's decode overlaps (the default: 806 MB), shared by all
+layers of one shape; plus the activations of the call (T * k * intermediate fp16).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def scratch_bytes(hidden: int, intermediate: int, tile_experts: int) -> int:
 
 
 Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+_SCRATCH: dict[tuple[str, int, int, int, int], dict[str, torch.Tensor]] = {}
 
 
 def routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> Routing:
@@ -86,7 +88,6 @@ class PrefillExperts:
         self.hidden, self.intermediate = gate.in_features, gate.out_features
         self.device = gate.trellis.device
         self.all_ids = torch.arange(self.num_experts, dtype=torch.int64, device=self.device)
-        self._scratch: list[dict[str, torch.Tensor] | None] | None = None
         self._stream: torch.cuda.Stream | None = None
         # Decode of the next tile overlaps this tile's GEMMs (CUDA; twice the scratch).
         self.overlap = overlap
@@ -94,15 +95,16 @@ class PrefillExperts:
         self.tile_mlp = prefill_gemm.tile_mlp if self.device.type == "cuda" else prefill_gemm.tile_mlp_reference
 
     def scratch(self, buffer: int = 0) -> dict[str, torch.Tensor]:
-        """Decoded-weight scratch for one tile; two buffers when decode overlaps the GEMMs."""
-        if self._scratch is None:
-            self._scratch = [None, None]
-        if self._scratch[buffer] is None:
+        """Decoded-weight scratch for one tile (two buffers when decode overlaps the GEMMs), shared by every layer
+        of one shape: layers run one after another on the stream, and each call's side stream first waits for
+        everything queued before it."""
+        key = (str(self.device), self.hidden, self.intermediate, self.tile, buffer)
+        if key not in _SCRATCH:
             kw = {"dtype": torch.float16, "device": self.device}
             h, i, t = self.hidden, self.intermediate, self.tile
-            self._scratch[buffer] = {"gate": torch.empty((t, h, i), **kw), "up": torch.empty((t, h, i), **kw),
-                                     "down": torch.empty((t, i, h), **kw)}
-        return self._scratch[buffer]
+            _SCRATCH[key] = {"gate": torch.empty((t, h, i), **kw), "up": torch.empty((t, h, i), **kw),
+                             "down": torch.empty((t, i, h), **kw)}
+        return _SCRATCH[key]
 
     def _decode(self, name: str, lo: int, hi: int, ids: torch.Tensor | None, buffer: int) -> torch.Tensor:
         """Decode experts lo:hi of the layer (ids None) or the experts `ids` into the tile scratch."""
