@@ -326,7 +326,8 @@ class Exl3CudaExperts:
         return s["out"][: x16.shape[0]]
 
     def apply_fused(self, x16: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """exl3_moe (plus per-expert exl3_gemm for experts above its row capacity); fp32 [T, hidden]."""
+        """exllamav3 1.6.5's prefill plan: exl3_moe for experts within its row capacity, the heavier ones through
+        our tiles (`prefill.apply_experts`; per-expert exl3_gemm when our prefill path is off); fp32 [T, hidden]."""
         tokens = x16.shape[0]
         if tokens > FUSED_ROWS and x16.is_cuda and torch.cuda.is_current_stream_capturing():
             # A CUDA graph cannot read the counts back; chunks of FUSED_ROWS tokens keep every expert within
