@@ -68,8 +68,8 @@ def main() -> int:
             "ref_rms": float(ref.pow(2).mean().sqrt()), "out_dtype": str(out.dtype),
             "pass": bool(err <= REL_TOL),
         })
-    # Our prefill path (prefill_moe), called directly so it is checked whatever the engine's table picks; it reads
-    # the expert counts back, so it is never captured (a capture keeps exl3_moe's chunks).
+    # Our prefill path (prefill_moe), called directly so it is checked whatever the engine's table picks (it keeps
+    # its routing on the device; the engine captures only exl3_moe's chunks above FUSED_ROWS tokens).
     if layer.prefill is not None:
         x, ids, w = gpu_checks.random_routing(SHAPE, 2048, gen, "cuda")
         for name, tokens, x, ids, w in [c for c in cases if c[1] >= 128] + [("2048", 2048, x, ids, w)]:
