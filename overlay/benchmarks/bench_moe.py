@@ -112,7 +112,7 @@ def time_eager(fn, sets) -> float:
     return statistics.median(times)
 
 
-def time_graph(fn, sets) -> float | None:
+def time_graph(fn, sets, reps: int = GRAPH_REPS) -> float | None:
     try:
         for args in sets:
             fn(*args)
@@ -124,7 +124,7 @@ def time_graph(fn, sets) -> float | None:
         graph.replay()
         torch.cuda.synchronize()
         times = []
-        for _ in range(GRAPH_REPS):
+        for _ in range(reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graph.replay()

@@ -38,7 +38,7 @@ import types
 from pathlib import Path
 
 import torch
-from bench_moe import SHAPE, Bf16GroupedMoE, parse_args
+from bench_moe import SHAPE, Bf16GroupedMoE, parse_args, time_graph
 
 from glm53_overlay.exl3 import gpu_checks, prefill_gemm, prefill_moe, runtime
 
@@ -140,31 +140,6 @@ def time_eager(fn, sets) -> tuple[float, float]:
     return statistics.median(times), statistics.median(host)
 
 
-def time_graph(fn, sets) -> float | None:
-    try:
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for args in sets:
-                fn(*args)
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(GRAPH_REPS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / len(sets))
-        del graph
-        return statistics.median(times)
-    except Exception as exc:
-        print(f"  graph capture failed: {type(exc).__name__}: {str(exc)[:200]}")
-        torch.cuda.synchronize()
-        return None
-
-
 def main() -> int:
     tuned = None
     if "--tuned" in sys.argv:
@@ -215,7 +190,7 @@ def main() -> int:
                 try:
                     errs = [gpu_checks.rel_err(fn(*s), ref) for s, ref in zip(sets, refs)]
                     event_us, host_us = time_eager(fn, sets)
-                    graph_us = time_graph(fn, sets) if graphable else None
+                    graph_us = time_graph(fn, sets, GRAPH_REPS) if graphable else None
                 except Exception as exc:
                     print(f"{kind} T={tokens} {name}: {type(exc).__name__}: {str(exc)[:300]}")
                     rows.append({"path": name, "tokens": tokens, "routing": kind, "error": f"{exc}"[:500]})

@@ -8,11 +8,10 @@ Checks each variant against the fp32 reference. Writes tune_prefill.json.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import torch
-from bench_moe import SHAPE, parse_args
+from bench_moe import SHAPE, parse_args, time_graph
 from bench_prefill import routing_set
 
 from glm53_overlay.exl3 import gpu_checks, prefill_gemm, prefill_moe
@@ -25,26 +24,12 @@ DOWN = ((64, 64, 64, 4, 3), (64, 64, 64, 4, 5), (64, 128, 128, 8, 3), (32, 128, 
 TILES = (16, 32)
 
 
-def graph_us(fn, sets, reps: int = 3) -> float:
-    for s in sets:
-        fn(*s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for s in sets:
-            fn(*s)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(sets))
-    del graph
-    return statistics.median(times)
+def graph_us(fn, sets) -> float:
+    """bench_moe's graph timing, 3 replays; a capture that fails raises, so the variant is skipped."""
+    us = time_graph(fn, sets, reps=3)
+    if us is None:
+        raise RuntimeError("graph capture failed")
+    return us
 
 
 def bmm_baseline(pre, token_counts, rows) -> None:
