@@ -289,6 +289,14 @@ class DiskVerdict:
         return head + f": {format_bytes(self.shortfall)} short even after pruning"
 
 
+def free_bytes(path: str) -> int:
+    """Free bytes of the filesystem that holds `path`, or would once it is created (its closest existing parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe).free
+
+
 def disk_verdict(free_bytes: int, needed_bytes: int, prunable_bytes: int) -> DiskVerdict:
     return DiskVerdict(free_bytes=max(0, free_bytes), needed_bytes=max(0, needed_bytes),
                        prunable_bytes=max(0, prunable_bytes))

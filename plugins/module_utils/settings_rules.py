@@ -200,6 +200,8 @@ RULES: dict[str, Check] = {
     "glm53_shm_size": matches(_DOCKER_SIZE, "a docker size such as 32g or 1024m"),
     "glm53_stop_timeout": at_least(0),
     "glm53_cache_dir": absolute_path_or_empty,
+    "glm53_keep_states": between(1, 10),
+    "glm53_upgrade_grace": at_least(0),
     "glm53_ready_timeout": at_least(1),
     "glm53_health_poll_interval": at_least(1),
     "glm53_canary_prompt": nonempty,

@@ -48,6 +48,12 @@ options:
     type: str
     choices: [pruned, planned]
     default: pruned
+  needed_bytes:
+    description:
+      - Bytes the wanted revisions still need on this node (files not yet present). When given, the module also
+        judges the disk (RV(disk)): free space of the cache's filesystem against this, counting what a prune of
+        the revisions not kept would free.
+    type: int
 attributes:
   check_mode:
     description: Can run in check_mode and return changed status prediction without modifying target.
@@ -111,12 +117,28 @@ kept:
   returned: always
   type: list
   elements: str
+disk:
+  description:
+    - The disk verdict when O(needed_bytes) is given; C(prunable_bytes) is what a prune of the revisions not kept
+      would free (0 once this run pruned them), C(shortfall) the bytes still missing after it.
+  returned: when O(needed_bytes) is given
+  type: dict
+  sample:
+    free_bytes: 107374182400
+    needed_bytes: 176093659136
+    prunable_bytes: 176093659136
+    fits_now: false
+    fits_after_prune: true
+    shortfall: 0
+    message: "needs 164.0 GiB, 100.0 GiB free, 164.0 GiB prunable: fits only after pruning old revisions"
 """
 
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.sparkops.glm53.plugins.module_utils.revision_prune import (
     apply_prune,
+    disk_verdict,
+    free_bytes,
     is_commit_sha,
     plan_prune,
     scan_repo,
@@ -130,6 +152,7 @@ def main() -> None:
             repos=dict(type="list", elements="str", required=True),
             keep=dict(type="list", elements="str", required=True),
             state=dict(type="str", choices=["pruned", "planned"], default="pruned"),
+            needed_bytes=dict(type="int"),
         ),
         supports_check_mode=True,
     )
@@ -159,7 +182,15 @@ def main() -> None:
         pruned.extend({"repo_id": repo_id, "revision": r.revision, "bytes": r.bytes} for r in plan.delete)
         kept.extend(plan.kept)
         freed += plan.freed_bytes
-    module.exit_json(changed=bool(pruned) and p["state"] == "pruned", pruned=pruned, freed_bytes=freed, kept=kept)
+    result: dict[str, object] = dict(changed=bool(pruned) and p["state"] == "pruned", pruned=pruned, freed_bytes=freed,
+                                     kept=kept)
+    if p["needed_bytes"] is not None:
+        verdict = disk_verdict(free_bytes(p["cache_dir"]), p["needed_bytes"], 0 if apply else freed)
+        result["disk"] = dict(free_bytes=verdict.free_bytes, needed_bytes=verdict.needed_bytes,
+                              prunable_bytes=verdict.prunable_bytes, fits_now=verdict.fits_now,
+                              fits_after_prune=verdict.fits_after_prune, shortfall=verdict.shortfall,
+                              message=verdict.message)
+    module.exit_json(**result)
 
 
 if __name__ == "__main__":

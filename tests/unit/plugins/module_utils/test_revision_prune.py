@@ -4,6 +4,7 @@ our manifests and markers, a worker's regular files, and the disk verdict."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -17,6 +18,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.revision_prune impo
     apply_prune,
     disk_verdict,
     format_bytes,
+    free_bytes,
     manifest_path,
     marker_path,
     plan_prune,
@@ -369,3 +371,7 @@ def test_disk_verdict(case: str) -> None:
 def test_disk_verdict_nothing_needed_fits_even_on_a_full_disk() -> None:
     verdict = disk_verdict(free_bytes=0, needed_bytes=0, prunable_bytes=0)
     assert verdict.fits_now and verdict.shortfall == 0
+
+
+def test_free_bytes_of_a_path_not_made_yet_is_its_closest_parents(tmp_path: Path) -> None:
+    assert abs(free_bytes(str(tmp_path / "not" / "yet")) - shutil.disk_usage(tmp_path).free) < 64 * 1024 * 1024

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict
 
@@ -117,3 +118,17 @@ def test_keep_must_name_commit_shas(keep: list[str], says: str, hub: Path, run_m
     result = run_module("revision_prune", args(hub, keep=keep))
     assert result["failed"] and says in result["msg"] and result["pruned"] == []
     assert tree(hub) == before
+
+
+def test_needed_bytes_judges_the_disk_counting_what_a_prune_would_free(hub: Path, run_module: ModuleRunner) -> None:
+    free = shutil.disk_usage(hub).free
+    # More than is free, less than free plus what pruning the old revisions frees (1300 bytes).
+    planned = run_module("revision_prune", args(hub, state="planned", needed_bytes=free + 1000))
+    disk = planned["disk"]
+    assert (disk["fits_now"], disk["fits_after_prune"], disk["prunable_bytes"]) == (False, True, 1300)
+    assert disk["message"].endswith("fits only after pruning old revisions")
+    assert not run_module("revision_prune", args(hub, state="planned", needed_bytes=free + 2000))["disk"]["fits_after_prune"]
+    # Once pruned, nothing is left to free: the verdict counts only the free space.
+    pruned = run_module("revision_prune", args(hub, needed_bytes=0))
+    assert pruned["disk"]["prunable_bytes"] == 0 and pruned["disk"]["fits_now"]
+    assert "disk" not in run_module("revision_prune", args(hub, state="planned"))
