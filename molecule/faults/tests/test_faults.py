@@ -199,8 +199,10 @@ def test_rank_killed_while_serving_fails_the_health_check_fast_and_tears_down(si
 
 
 def test_degenerate_engine_fails_the_canary_and_the_ranks_are_stopped(sim: Sim) -> None:
+    # With rollback off (docs/upgrades.md), a failed change stops every rank as before; with it on, the state
+    # this run replaced would serve again (molecule/default's verify_quality.yml proves that).
     run = sim.start("degenerate-canary", "site.yml", "-e", "glm53_model_repo=sim/tiny-glm-eos",
-                    "-e", "glm53_api_bind=127.0.0.1")
+                    "-e", "glm53_api_bind=127.0.0.1", "-e", "glm53_rollback=false")
     # vLLM binds its API socket early in startup: it must be bound to the configured address only.
     bound = wait_until(lambda: sim.listeners(0, PORT), 600, 1, "the head to bind the API port")
     assert bound == ["127.0.0.1:%d" % PORT], bound
@@ -211,6 +213,7 @@ def test_degenerate_engine_fails_the_canary_and_the_ranks_are_stopped(sim: Sim) 
     assert "vLLM answers /health but the canary failed: canary answer is empty" in out, run.evidence()
     assert 'canary: HTTP 200, finish_reason stop, 1 completion token(s), text ""' in out, run.evidence()
     assert "canary response: " in out and "Every rank was stopped" in out, run.evidence()
+    assert "Rolled back by itself" not in out, run.evidence()
     assert_no_ranks(sim)
 
 

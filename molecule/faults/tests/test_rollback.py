@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -18,7 +19,7 @@ import pytest
 from conftest import CACHE, HF_CACHE, NAMES, RANK, REPO, SIM_VARS, Sim, api
 
 sys.path.insert(0, str(REPO))
-from tools.sim_model.hub_repos import _git, add_commit, mirror_repo_path  # noqa: E402  pylint: disable=wrong-import-position
+from tools.sim_model.hub_repos import add_commit, mirror_repo_path  # noqa: E402  pylint: disable=wrong-import-position
 
 MIRRORS = REPO / ".cache" / "sim" / "hub" / "mirrors"
 MODEL = "sim/tiny-glm"
@@ -60,15 +61,17 @@ def outage(run_output: str) -> float:
 def new_revision() -> Iterator[str]:
     """A second revision of the simulated checkpoint on the hub's main; main goes back to the first afterwards."""
     repo = mirror_repo_path(MIRRORS, MODEL)
-    first = _git(repo, "rev-parse", "HEAD")
-    sha = add_commit(MIRRORS, MODEL, {"UPGRADE.md": b"revision 2 of the simulated checkpoint\n"}, "revision 2")
-    yield sha
-    _git(repo, "reset", "--quiet", "--hard", first)
+    first = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    yield add_commit(MIRRORS, MODEL, {"UPGRADE.md": b"revision 2 of the simulated checkpoint\n"}, "revision 2")
+    subprocess.run(["git", "-C", str(repo), "reset", "--quiet", "--hard", first], check=True)
 
 
 def test_an_upgrade_is_staged_switched_verified_and_recorded_then_rollback_yml_returns(sim: Sim, new_revision: str) -> None:
     key = sim.secrets["glm53_api_key"]
-    if not (all(sim.running(rank) for rank in range(len(NAMES))) and api("/v1/models", key=key)[0] == 200):
+    serving = all(sim.running(rank) for rank in range(len(NAMES))) and api("/v1/models", key=key)[0] == 200
+    recorded = sim.node(0, "cat", RECORD).stdout
+    if not serving or sim.container(0)["Config"]["Labels"]["glm53.cluster-spec"] not in recorded:
         start = sim.site("rollback-serve", timeout=1200)
         assert start.rc == 0, start.evidence()
     first_root, first_answer = served_root(sim), ask(sim)
@@ -112,3 +115,20 @@ def test_an_upgrade_is_staged_switched_verified_and_recorded_then_rollback_yml_r
     assert [g["spec"] for g in record(sim)] == [first_spec, new_spec]
     for rank in range(len(NAMES)):
         assert kept(sim, rank, new_spec) is not None, "rank %d kept no copy of the upgrade to return to" % rank
+
+    # Fewer states kept: the record is trimmed to the serving one, the upgrade's stopped copies and its revision
+    # are removed from both nodes, and the serving ranks are not touched.
+    ids = [sim.container(rank)["Id"] for rank in range(len(NAMES))]
+    # (The hub's main is still the new revision here: the first one is named.)
+    trim = sim.site("rollback-keep-one", "-e", "glm53_keep_states=1", "-e",
+                    "glm53_model_revision=%s" % first_root.rsplit("/", 1)[1], timeout=600)
+    assert trim.rc == 0, trim.evidence()
+    assert [g["spec"] for g in record(sim)] == [first_spec]
+    assert [sim.container(rank)["Id"] for rank in range(len(NAMES))] == ids
+    new_snapshot = first_root.rsplit("/", 1)[0].replace("/root/.cache/huggingface", HF_CACHE) + "/" + new_revision
+    for rank in range(len(NAMES)):
+        assert kept(sim, rank, new_spec) is None, "rank %d still keeps the upgrade's stopped copy" % rank
+        assert sim.node(rank, "test", "-e", new_snapshot).returncode != 0, "rank %d still holds %s" % (rank, new_snapshot)
+        assert sim.node(rank, "test", "-d", first_root.replace("/root/.cache/huggingface", HF_CACHE)).returncode == 0
+    assert "pruned %s@%s" % (MODEL, new_revision[:12]) in " ".join(trim.output.split()), trim.evidence()
+    assert api("/v1/models", key=key)[0] == 200
