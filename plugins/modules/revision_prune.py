@@ -51,8 +51,8 @@ options:
   needed_bytes:
     description:
       - Bytes the wanted revisions still need on this node (files not yet present). When given, the module also
-        judges the disk (RV(disk)): free space of the cache's filesystem against this, counting what a prune of
-        the revisions not kept would free.
+        judges the disk (RV(disk)), the free space of the cache's filesystem against this, counting what a prune
+        of the revisions not kept would free.
     type: int
 attributes:
   check_mode:
