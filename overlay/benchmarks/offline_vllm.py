@@ -83,6 +83,10 @@ def generate(model: str, batches: dict[str, Batch], *, tp: int = 1, dtype: str =
     """(result, log): result is None when the engine failed. result["batches"][name] holds "completions"
     (tokens, each token's vLLM rank, each step's top logprobs keyed by token id as a string) and "metrics"
     (vLLM's spec-decode counters during that batch); also "vllm", "startup_s" and "generate_s"."""
+    if speculative and speculative.get("method") == "mtp":
+        # The MTP layer is an MLA layer, and vLLM picks a draft's attention backend on its own (never the
+        # target's): named here for the reason the child names the target's.
+        speculative = {"attention_backend": "CPU_MLA"} | speculative
     spec = {"model": model, "tp": tp, "dtype": dtype, "speculative_config": speculative, "logprobs": logprobs,
             "batches": {name: {"prompts": [list(p) for p in batch.prompts], "max_tokens": batch.max_tokens,
                                "temperature": batch.temperature, "seed": batch.seed}
