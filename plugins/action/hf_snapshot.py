@@ -4,7 +4,7 @@
 164 GiB checkpoint downloads, instead of a task that is silent for hours."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from ansible_collections.sparkops.glm53.plugins.plugin_utils.progress_action import ProgressActionBase
 
@@ -36,3 +36,10 @@ class ActionModule(ProgressActionBase):
 
     def time_limit(self, args: Dict[str, Any]) -> float:
         return DOWNLOAD_LIMIT_S
+
+    # A snapshot an earlier run completed is found on disk without the hub: no background job for it.
+    def foreground_args(self, args: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        return dict(args, local_only=True)
+
+    def foreground_done(self, result: Dict[str, Any]) -> bool:
+        return bool(result.pop("local", False))

@@ -478,16 +478,25 @@ def download_missing(req: SnapshotRequest, hub: Hub, plan: DownloadPlan,
     return sum(e.size for e in todo)
 
 
+def local_snapshot(req: SnapshotRequest) -> Optional[SnapshotResult]:
+    """The first candidate already complete on disk by an earlier run's manifest (None with refresh)."""
+    if req.refresh:
+        return None
+    for source in candidate_sources(req.repo_id, req.revision, req.fallbacks):
+        plan = complete_local_snapshot(req, source)
+        if plan is not None:
+            return _result(req, plan, changed=False, downloaded=0)
+    return None
+
+
 def ensure_snapshot(req: SnapshotRequest, hub_factory: Callable[[], Hub], check_mode: bool = False,
                     clock: Callable[[], float] = time.monotonic) -> SnapshotResult:
     """Make one candidate's snapshot complete (or, in check mode, say what that would take)."""
-    sources = candidate_sources(req.repo_id, req.revision, req.fallbacks)
-    if not req.refresh:
-        for source in sources:
-            plan = complete_local_snapshot(req, source)
-            if plan is not None:
-                return _result(req, plan, changed=False, downloaded=0)
+    found = local_snapshot(req)
+    if found is not None:
+        return found
 
+    sources = candidate_sources(req.repo_id, req.revision, req.fallbacks)
     hub = hub_factory()
     attempts: list[dict[str, str]] = []
     for source in sources:

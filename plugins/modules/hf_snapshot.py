@@ -72,6 +72,14 @@ options:
         Files already present with the right size are still not downloaded again.
     type: bool
     default: false
+  local_only:
+    description:
+      - Only look for a snapshot that an earlier run's manifest says is complete on disk, without the hub;
+        change nothing and return RV(local) false when there is none (always false with O(refresh)).
+      - The action plugin runs this first, in the foreground, so a re-run whose snapshot is in place costs one
+        module run instead of a background job and its polling.
+    type: bool
+    default: false
   progress_file:
     description:
       - While downloading, keep this JSON file updated (at least every 5 s) with C(done_bytes), C(total_bytes),
@@ -121,6 +129,10 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+local:
+  description: With O(local_only), whether a complete snapshot was found on disk (the other values are then set).
+  returned: when O(local_only) is true
+  type: bool
 repo_id:
   description: The repository the snapshot came from (the primary or a fallback).
   returned: success
@@ -173,6 +185,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.hf_snapshot import 
     SnapshotRequest,
     SnapshotSource,
     ensure_snapshot,
+    local_snapshot,
 )
 
 
@@ -195,6 +208,7 @@ def main() -> None:
             allow_patterns=dict(type="list", elements="str"),
             ignore_patterns=dict(type="list", elements="str"),
             refresh=dict(type="bool", default=False),
+            local_only=dict(type="bool", default=False),
             progress_file=dict(type="path"),
             max_workers=dict(type="int", default=4),
         ),
@@ -212,6 +226,10 @@ def main() -> None:
         progress_file=p["progress_file"],
         max_workers=p["max_workers"],
     )
+
+    if p["local_only"]:
+        found = local_snapshot(request)
+        module.exit_json(changed=False, local=found is not None, **(found.to_dict() if found else {}))
 
     def hub_factory() -> HuggingFaceHub:
         try:

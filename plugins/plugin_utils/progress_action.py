@@ -3,7 +3,9 @@
 """Controller side of long-running modules: run the module in the background on the target and print a
 progress line from its progress file every DISPLAY_EVERY_S, instead of a silent task for up to an hour.
 Check mode, user-requested ``async`` and connections with their own async support fall back to running
-the module plainly. Subclasses say how to print a progress record and how long the job may take."""
+the module plainly. Subclasses say how to print a progress record and how long the job may take, and may name a
+quick foreground run to try first (a re-run with nothing to do then costs one module run, not a background job,
+its status polls and cleanup)."""
 from __future__ import annotations
 
 import base64
@@ -17,7 +19,9 @@ from ansible.utils.display import Display
 
 display = Display()
 
-# How soon a finished (or failed) job is noticed: a dead rank must be reported within seconds.
+# How soon a finished (or failed) job is noticed: a dead rank must be reported within seconds. The first status
+# poll comes sooner and the gap doubles up to STATUS_EVERY_S, so a job done in a second is not waited on for two.
+FIRST_STATUS_S = 0.25
 STATUS_EVERY_S = 2.0
 DISPLAY_EVERY_S = 20.0
 ASYNC_KEYS = ("ansible_job_id", "started", "finished", "results_file", "stdout_lines", "stderr_lines")
@@ -35,6 +39,14 @@ class ProgressActionBase(ActionBase):
     def time_limit(self, args: Dict[str, Any]) -> float:
         raise NotImplementedError
 
+    def foreground_args(self, args: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """Arguments of a quick foreground run tried before the background job; None skips it."""
+        return None
+
+    def foreground_done(self, result: Dict[str, Any]) -> bool:
+        """Whether the foreground run's result is the task's (else the background job runs)."""
+        return True
+
     def run(self, tmp: Any = None, task_vars: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         result = super().run(tmp, task_vars)
         del tmp
@@ -47,6 +59,13 @@ class ProgressActionBase(ActionBase):
             return result
 
         args = dict(self._task.args)
+        quick = self.foreground_args(args)
+        if quick is not None:
+            first = self._execute_module(module_args=quick, task_vars=task_vars)
+            if first.get("failed") or self.foreground_done(first):
+                self._remove_tmp_path(self._connection._shell.tmpdir)
+                result.update(first)
+                return result
         own_progress = not args.get("progress_file")
         if own_progress:
             args["progress_file"] = "/tmp/.sparkops-%s-%s.json" % (self._task.action.split(".")[-1],
@@ -83,6 +102,7 @@ class ProgressActionBase(ActionBase):
               limit: float) -> Dict[str, Any]:
         start = time.monotonic()
         next_display = start + DISPLAY_EVERY_S
+        pause = FIRST_STATUS_S
         while True:
             status = self._execute_module(module_name="ansible.legacy.async_status", task_vars=task_vars,
                                           module_args={"jid": jid, "mode": "status", "_async_dir": async_dir})
@@ -96,7 +116,8 @@ class ProgressActionBase(ActionBase):
                 record = self._read_progress(progress_file, task_vars)
                 if record is not None:
                     display.display(self.progress_line(record, host))
-            time.sleep(STATUS_EVERY_S)
+            time.sleep(pause)
+            pause = min(pause * 2, STATUS_EVERY_S)
 
     def _read_progress(self, path: str, task_vars: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         slurped = self._execute_module(module_name="ansible.legacy.slurp", task_vars=task_vars,

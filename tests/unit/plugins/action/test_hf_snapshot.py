@@ -19,3 +19,12 @@ def test_download_line_without_rate_has_unknown_eta() -> None:
 
 def test_download_reports_its_own_changed() -> None:
     assert DownloadAction.always_unchanged is False
+
+
+def test_the_download_tries_the_snapshot_on_disk_first_and_runs_the_job_only_without_one() -> None:
+    action = DownloadAction.__new__(DownloadAction)
+    wanted = {"repo_id": "o/r", "refresh": False, "local_only": True}
+    assert action.foreground_args({"repo_id": "o/r", "refresh": False}) == wanted
+    found = {"local": True, "repo_id": "o/r", "changed": False}
+    assert action.foreground_done(found) and "local" not in found
+    assert not action.foreground_done({"local": False, "changed": False})

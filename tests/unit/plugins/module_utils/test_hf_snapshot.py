@@ -15,6 +15,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.hf_snapshot import 
     SourceUnavailable,
     candidate_sources,
     ensure_snapshot,
+    local_snapshot,
     manifest_path,
     select_files,
     snapshot_dir,
@@ -118,6 +119,19 @@ def test_branch_is_resolved_once_then_known_offline(cache):
     ensure_snapshot(request(cache, revision="main"), lambda: hub)
     assert (cache / "models--org--primary" / "refs" / "main").read_text() == SHA_A
     assert not ensure_snapshot(request(cache, revision="main"), no_hub).changed
+
+
+def test_local_snapshot_finds_only_a_complete_one_and_never_with_refresh(cache):
+    # The action plugin's foreground run: nothing on disk, a complete snapshot, a damaged one, refresh.
+    assert local_snapshot(request(cache)) is None
+    hub = FakeHub(cache, {"org/primary": (SHA_A, FILES)})
+    ensure_snapshot(request(cache), lambda: hub)
+    found = local_snapshot(request(cache))
+    assert found is not None and (found.repo_id, found.revision, found.changed) == ("org/primary", SHA_A, False)
+    assert local_snapshot(request(cache, refresh=True)) is None
+    first = sorted(FILES)[0]
+    (Path(snapshot_dir(str(cache), "org/primary", SHA_A)) / first).unlink()
+    assert local_snapshot(request(cache)) is None
 
 
 def test_refresh_relists_but_downloads_nothing_present(cache):
