@@ -17,7 +17,7 @@ ENGINE_IMAGE := glm53/engine-cpu:dev
 TORCH_WHEEL := $(firstword $(wildcard $(PIP_FIND_LINKS)/torch-2.13.0+cpu-cp311-*.whl /opt/wheels/torch-2.13.0+cpu-cp311-*.whl))
 CA_BUNDLE ?= $(firstword $(PIP_CERT) $(wildcard /etc/ssl/certs/ca-certificates.crt))
 
-.PHONY: help settings host venv images vllm-cpu-base engine-image sim-up demo demo-down test check lint sanity unit monitoring-rules engine molecule molecule-default molecule-faults molecule-four-nodes clean
+.PHONY: help settings host venv images vllm-cpu-base engine-image sim-up demo demo-down test check lint sanity unit monitoring-rules engine molecule molecule-default sim-create molecule-default-created molecule-faults molecule-four-nodes clean
 
 help:
 	@echo "make demo       build the simulated cluster, run site.yml on it, send a chat request"
@@ -165,6 +165,16 @@ molecule:
 
 molecule-default: venv images
 	molecule destroy -s default
+	molecule test -s default --destroy=never
+
+# `make test` splits molecule-default in two (tools/test-tiers.sh): the cluster is created (nodes started, the
+# base image pushed to the simulated registry: minutes of I/O) beside the fast tier, then the scenario runs on it.
+# `molecule test --destroy=never` skips the scenario's own destroy step, so the created cluster is kept.
+sim-create: venv images
+	molecule destroy -s default
+	molecule create -s default
+
+molecule-default-created: venv images
 	molecule test -s default --destroy=never
 
 molecule-faults: venv images

