@@ -1,5 +1,6 @@
 """CPU stand-ins for the kernel entry points `runtime.Exl3CudaExperts` calls: exllamav3's `exl3_moe_coop`,
-`exl3_moe`, `exl3_moe_max_concurrency`, `exl3_gemm`, `silu_mul`, `reconstruct_had_batch`, and ours, `mcg4_moe`. Same signatures and
+`exl3_moe`, `exl3_moe_max_concurrency`, `exl3_gemm`, `silu_mul`, `reconstruct_had_batch`, `reconstruct_batch`, and ours,
+`mcg4_moe`. Same signatures and
 argument order as the extensions (exllamav3 1.6.5's exl3_moe.cuh / exl3_gemm.cuh / exl3_moe_coop.cuh, our
 csrc/mcg4_moe.cu); the arithmetic is the exact reference decoder (`reference.dequantize`) in fp32. Tests only.
 
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
-from glm53_overlay.exl3.reference import dequantize
+from glm53_overlay.exl3.reference import dequantize, reconstruct_rotated
 from glm53_overlay.exl3.runtime import coop_counter_len
 from glm53_overlay.exl3.trellis import TILE
 
@@ -146,6 +147,15 @@ def reconstruct_had_batch(unpacked, packed_ptrs, suh_ptrs, svh_ptrs, K, mcg, mul
         unpacked[index] = _weights((packed_ptrs, suh_ptrs, svh_ptrs), index, k, n, K, _codebook(mcg, mul1)).half()
 
 
+def reconstruct_batch(unpacked, packed_ptrs, K, mcg, mul1) -> None:
+    """W_hat (the rotated basis, no suh/svh and no Hadamard) of each trellis in the pointer table."""
+    assert unpacked.dtype == torch.float16 and unpacked.is_contiguous() and unpacked.dim() == 3
+    batch, k, n = unpacked.shape
+    for index in range(batch):
+        trellis = _tensor_at(int(packed_ptrs[index]), (k // TILE, n // TILE, int(TILE * K)), torch.int16)
+        unpacked[index] = reconstruct_rotated(trellis, codebook=_codebook(mcg, mul1))
+
+
 def silu_mul(x, y, z, act_limit) -> None:
     z.copy_(_act(x.float(), y.float(), act_limit).to(z.dtype))
 
@@ -178,5 +188,5 @@ def mcg4_moe(x, ids, weights, trellis_g, suh_g, svh_g, trellis_u, suh_u, svh_u, 
 # What `runtime.load_kernels()` and `mcg4_moe.load_extension()` return, for monkeypatching them.
 EXLLAMAV3 = SimpleNamespace(__name__="exl3_cpu_kernels (CPU stand-ins)", exl3_moe_coop=exl3_moe_coop, exl3_moe=exl3_moe,
                             exl3_moe_max_concurrency=exl3_moe_max_concurrency, exl3_gemm=exl3_gemm, silu_mul=silu_mul,
-                            reconstruct_had_batch=reconstruct_had_batch)
+                            reconstruct_had_batch=reconstruct_had_batch, reconstruct_batch=reconstruct_batch)
 MCG4 = SimpleNamespace(__name__="mcg4 (CPU stand-in)", mcg4_moe=mcg4_moe)

@@ -1,7 +1,7 @@
 """Our prefill MoE path (exl3/prefill_moe.py) on CPU: the device-side routing, the engine's per-size choice (read back
-from the committed H200 results), and the whole apply against the exact reference with exllamav3's
-`reconstruct_had_batch` replaced by its CPU stand-in (tests/unit/exl3_cpu_kernels.py: the exact decoder, read through
-the same pointer tables) and our Triton GEMMs by their torch twin (`prefill_gemm.tile_mlp_reference`).
+from the committed H200 results), and the whole apply, in both formulations, against the exact reference with
+exllamav3's `reconstruct_had_batch` / `reconstruct_batch` replaced by their CPU stand-ins (tests/unit/exl3_cpu_kernels.py:
+the exact decoder, read through the same pointer tables) and our Triton kernels by their torch twins (`prefill_gemm.*_reference`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import exl3_cpu_kernels  # tests/unit: on sys.path through pytest's rootdir-base
 import pytest
 import torch
 
-from glm53_overlay.exl3 import gpu_checks, prefill_moe, runtime
+from glm53_overlay.exl3 import gpu_checks, prefill_gemm, prefill_moe, runtime
+from glm53_overlay.exl3.hadamard import HADAMARD_BLOCK, hadamard_128
 from glm53_overlay.exl3.reference import dequantize
 
 SHAPE = gpu_checks.MoeShape(hidden=256, experts=6, top_k=2, intermediate=128)
@@ -21,6 +22,8 @@ SHAPE = gpu_checks.MoeShape(hidden=256, experts=6, top_k=2, intermediate=128)
 PREFILL_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "prefill" / "bench_prefill.json"
 # The rows of the two paths the engine chooses between (bench_prefill.py).
 ROW_OF_PATH = {runtime.PATH_PREFILL: "ours_syncfree", runtime.PATH_FUSED: "ours_plan"}
+
+
 
 
 def _committed_winners() -> dict[int, str]:
@@ -134,11 +137,12 @@ def _dense(layer: runtime.Exl3CudaExperts) -> dict[str, torch.Tensor]:
             for name, p in layer.projections().items()}
 
 
+@pytest.mark.parametrize("unfolded", [True, False])
 @pytest.mark.parametrize("tile", [1, 4, 16])
-def test_apply_matches_the_exact_reference(monkeypatch, tile):
+def test_apply_matches_the_exact_reference(monkeypatch, tile, unfolded):
     layer = _layer(monkeypatch, "ours")
-    pre = prefill_moe.PrefillExperts(layer.gate, layer.up, layer.down, codebook=SHAPE.codebook,
-                                     ext=exl3_cpu_kernels.EXLLAMAV3, act_limit=SHAPE.act_limit, tile_experts=tile)
+    pre = prefill_moe.PrefillExperts(layer.gate, layer.up, layer.down, codebook=SHAPE.codebook, ext=exl3_cpu_kernels.EXLLAMAV3,
+                                     act_limit=SHAPE.act_limit, tile_experts=tile, unfolded=unfolded)
     gen = torch.Generator().manual_seed(3)
     x, ids, w = gpu_checks.random_routing(SHAPE, 40, gen, "cpu")
     ids[0, 0] = -1  # an expert of another rank: contributes nothing here
@@ -173,3 +177,25 @@ def test_layers_of_one_shape_share_the_decode_scratch(monkeypatch):
                                        ext=exl3_cpu_kernels.EXLLAMAV3, tile_experts=4) for _ in range(2))
     assert a.scratch(0)["gate"].data_ptr() == b.scratch(0)["gate"].data_ptr()
     assert a.scratch(1)["gate"].data_ptr() != a.scratch(0)["gate"].data_ptr()
+
+
+def test_the_kernels_hadamard_is_the_exact_plus_minus_one_matrix():
+    # The epilogue products multiply by +-1 exactly and scale by 1/sqrt(128) once, in fp32.
+    had = prefill_gemm.hadamard_pm1(torch.device("cpu"))
+    assert had.dtype == torch.float16 and set(had.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(had.float() @ had.float(), HADAMARD_BLOCK * torch.eye(HADAMARD_BLOCK))
+    assert torch.allclose(had.float() * prefill_gemm.HADAMARD_SCALE, hadamard_128(), rtol=0, atol=1e-7)
+
+
+def test_rotated_inputs_only_for_the_selected_experts():
+    # The plan path rotates its heavy experts' rows only; other rows (light experts, other ranks' bin E) stay unset.
+    gen = torch.Generator().manual_seed(6)
+    x16 = torch.randn((3, 2 * HADAMARD_BLOCK), generator=gen).half()
+    tok, exp = torch.tensor([0, 2, 1, 0]), torch.tensor([0, 0, 1, 2])
+    selected = torch.tensor([0, 1, 0], dtype=torch.int32)  # expert 1 of 2 (bin 2: other ranks)
+    suh = torch.randn((2, 2 * HADAMARD_BLOCK), generator=gen).half()
+    xg, xu = torch.zeros((4, 2 * HADAMARD_BLOCK)).half(), torch.zeros((4, 2 * HADAMARD_BLOCK)).half()
+    prefill_gemm.rotate_inputs_reference(x16, tok, exp, selected, suh, -suh, xg, xu)
+    assert xg[[0, 1, 3]].abs().sum() == 0 and torch.equal(xg[2], -xu[2])
+    expected = (x16[1].float() * suh[1].float()).view(2, HADAMARD_BLOCK) @ hadamard_128()
+    assert torch.allclose(xg[2].float(), expected.flatten(), atol=2e-3)

@@ -227,8 +227,9 @@ class Exl3CudaExperts:
             torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None)
 
     def _our_prefill_path(self) -> prefill_moe.PrefillExperts | None:
-        # Older exllamav3 builds lack the batched fused reconstruct: then prefill stays on exl3_moe.
-        if prefill_kernel_choice() != "ours" or not hasattr(self.ext, "reconstruct_had_batch"):
+        # Older exllamav3 builds lack the batched reconstructs: then prefill stays on exl3_moe.
+        decode = "reconstruct_batch" if prefill_moe.UNFOLDED else "reconstruct_had_batch"
+        if prefill_kernel_choice() != "ours" or not hasattr(self.ext, decode):
             return None
         return prefill_moe.PrefillExperts(self.gate, self.up, self.down, codebook=self.codebook, ext=self.ext,
                                           act_limit=self.act_limit)
