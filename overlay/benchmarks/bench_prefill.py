@@ -4,7 +4,9 @@ skewed routing. One GLM-5.3 Flash MoE layer as a TP=2 rank sees it (bench_moe.SH
 Paths, each run on the same rotating inputs:
 - engine: `Exl3CudaExperts.apply`, what vLLM calls (its `kernels` field names the path it took);
 - ours_syncfree: our prefill path alone (`prefill_moe.PrefillExperts.apply`: every expert decoded a tile at a
-  time, Triton grouped GEMMs, no host sync);
+  time, Triton grouped GEMMs, no host sync), in the formulation the engine uses (prefill_moe.UNFOLDED);
+- ours_syncfree_folded: the same with the other formulation (the folded one, the engine's path before issue 27's
+  second round, or the unfolded one if the engine is folded);
 - ours_plan: exllamav3's plan with our GEMMs for the heavy experts (`apply_fused`: exl3_moe for experts with
   <= 128 rows, `apply_experts` above);
 - exllamav3_plan: exllamav3 1.6.5's own plan as its BlockSparseMLP.forward dispatches it on the GPU for an mcg
@@ -18,7 +20,8 @@ Paths, each run on the same rotating inputs:
 - bf16_grouped_mm: the experts dequantized to bf16, torch._grouped_mm (bench_moe.Bf16GroupedMoE), for scale.
 
 Timing: CUDA events around each call (the host launches inside, so host-bound paths show it), median of REPS
-calls over SETS rotating input sets after warm-up; sync-free paths also as CUDA-graph replays (GPU-busy time).
+calls over SETS rotating input sets after warm-up, the paths taking turns call by call; sync-free paths also as
+CUDA-graph replays (GPU-busy time).
 Error: ||out - ref|| / ||ref|| against an fp32 MoE over the reference decoder's exact weights, on every set.
 
     PYTHONPATH=overlay/src python3 overlay/benchmarks/bench_prefill.py --out overlay/benchmarks/results/prefill
@@ -29,7 +32,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
-import os
 import platform
 import statistics
 import sys
@@ -50,6 +52,8 @@ SETS = 4
 REPS = 12
 WARMUP = 3
 GRAPH_REPS = 5
+# The folded formulation's tuned tile (results/prefill/dev/tune_prefill_run3.json).
+FOLDED_TILE = 16
 
 
 def routing_set(tokens: int, kind: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,23 +125,28 @@ class Exllamav3Plan:
         return out.to(x.dtype)
 
 
-def time_eager(fn, sets) -> tuple[float, float]:
-    """(median event time per call, median host time to enqueue one call) in us."""
+def time_eager(fns: dict, sets) -> dict[str, tuple[float, float]]:
+    """Per path, (median event time per call, median host time to enqueue one call) in us. The paths take turns
+    call by call, so clock and cache drift over the run falls on all of them alike (two paths running the same
+    kernel, as the engine and exllamav3's plan do at 512-1024 random tokens, then differ by spread only)."""
     for i in range(WARMUP):
-        fn(*sets[i % len(sets)])
+        for fn in fns.values():
+            fn(*sets[i % len(sets)])
     torch.cuda.synchronize()
-    times, host = [], []
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    host: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         args = sets[i % len(sets)]
-        start.record()
-        t0 = time.perf_counter()
-        fn(*args)
-        host.append((time.perf_counter() - t0) * 1e6)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times), statistics.median(host)
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            fn(*args)
+            host[name].append((time.perf_counter() - t0) * 1e6)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3)
+    return {name: (statistics.median(times[name]), statistics.median(host[name])) for name in fns}
 
 
 def main() -> int:
@@ -150,12 +159,23 @@ def main() -> int:
         import tune_prefill
 
         tune_prefill.apply_settings(tuned)
-        os.environ[prefill_moe.TILE_ENV] = str(tuned["tile"])
     args = parse_args(TOKENS)
     layer = gpu_checks.make_layer(SHAPE)
-    if tuned is not None:
-        layer.prefill.overlap = tuned["overlap"]
     assert layer.prefill is not None, "our prefill path is off (GLM53_EXL3_MOE_PREFILL or an old extension)"
+
+    def formulation(unfolded: bool) -> prefill_moe.PrefillExperts:
+        if not unfolded:
+            tile, overlap = FOLDED_TILE, True  # as the folded formulation's own tune left it
+        elif tuned is not None:
+            tile, overlap = tuned["tile"], tuned["overlap"]
+        else:
+            tile, overlap = prefill_moe.tile_experts_setting(), True
+        return prefill_moe.PrefillExperts(layer.gate, layer.up, layer.down, codebook=SHAPE.codebook, ext=layer.ext,
+                                          act_limit=SHAPE.act_limit, tile_experts=tile, overlap=overlap,
+                                          unfolded=unfolded)
+
+    layer.prefill = formulation(prefill_moe.UNFOLDED)
+    other = formulation(not prefill_moe.UNFOLDED)
     dense = gpu_checks.dense_weights(layer)
     bf16 = Bf16GroupedMoE(dense, SHAPE.act_limit)
     plan = Exllamav3Plan(layer, load_exllamav3_batch_recon(layer.ext))
@@ -171,6 +191,8 @@ def main() -> int:
     paths = {
         "engine": (layer.apply, False),
         "ours_syncfree": (lambda x, i, w: prefill.apply(x.half(), i, w).to(x.dtype), True),
+        "ours_syncfree_" + ("folded" if prefill.unfolded else "unfolded"):
+            (lambda x, i, w: other.apply(x.half(), i, w).to(x.dtype), True),
         "ours_plan": (lambda x, i, w: layer.apply_fused(x.half(), i, w).to(x.dtype), False),
         "exllamav3_plan": (plan.apply, False),
         "exl3_moe_alone": (exl3_moe_alone, False),
@@ -186,25 +208,28 @@ def main() -> int:
             heavy = statistics.mean(int((c > runtime.FUSED_ROWS).sum()) for c in counts)
             touched = statistics.mean(int((c > 0).sum()) for c in counts)
             max_rows = max(int(c.max()) for c in counts)
-            for name, (fn, graphable) in paths.items():
+            errs: dict[str, list[float]] = {}
+            for name, (fn, _graphable) in paths.items():
                 try:
-                    errs = [gpu_checks.rel_err(fn(*s), ref) for s, ref in zip(sets, refs)]
-                    event_us, host_us = time_eager(fn, sets)
-                    graph_us = time_graph(fn, sets, GRAPH_REPS) if graphable else None
+                    errs[name] = [gpu_checks.rel_err(fn(*s), ref) for s, ref in zip(sets, refs)]
                 except Exception as exc:
                     print(f"{kind} T={tokens} {name}: {type(exc).__name__}: {str(exc)[:300]}")
                     rows.append({"path": name, "tokens": tokens, "routing": kind, "error": f"{exc}"[:500]})
                     torch.cuda.synchronize()
-                    continue
+            eager = time_eager({name: paths[name][0] for name in errs}, sets)
+            for name, (event_us, host_us) in eager.items():
+                fn, graphable = paths[name]
+                graph_us = time_graph(fn, sets, GRAPH_REPS) if graphable else None
                 row = {"path": name, "tokens": tokens, "routing": kind, "event_us": event_us, "host_us": host_us,
-                       "graph_us": graph_us, "rel_err_max": max(errs), "rel_err_mean": statistics.mean(errs),
-                       "heavy_experts": heavy, "touched_experts": touched, "max_rows": max_rows}
+                       "graph_us": graph_us, "rel_err_max": max(errs[name]),
+                       "rel_err_mean": statistics.mean(errs[name]), "heavy_experts": heavy,
+                       "touched_experts": touched, "max_rows": max_rows}
                 if name == "engine":
                     row["kernels"] = layer.path_for(tokens)
                 rows.append(row)
                 g = f"{graph_us:8.0f}" if graph_us is not None else "     n/a"
                 print(f"{kind:<6} T={tokens:<5} {name:<16} {event_us:8.0f} us (host {host_us:7.0f}, graph {g})"
-                      f"  err {max(errs):.2e}", flush=True)
+                      f"  err {max(errs[name]):.2e}", flush=True)
     report = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": importlib.metadata.version("triton"), "python": platform.python_version(),
@@ -212,10 +237,12 @@ def main() -> int:
         "shape": {"hidden": SHAPE.hidden, "experts": SHAPE.experts, "top_k": SHAPE.top_k,
                   "intermediate_per_rank": SHAPE.intermediate, "bits": SHAPE.bits, "codebook": SHAPE.codebook,
                   "act_limit": SHAPE.act_limit},
-        "prefill_tile_experts": prefill.tile, "prefill_overlap": prefill.overlap,
+        "prefill_tile_experts": prefill.tile, "prefill_overlap": prefill.overlap, "prefill_unfolded": prefill.unfolded,
         "gate_up_block": prefill_gemm.GATE_UP_BLOCK, "down_block": prefill_gemm.DOWN_BLOCK,
+        "rot_gate_up_block": prefill_gemm.ROT_GATE_UP_BLOCK, "rot_down_block": prefill_gemm.ROT_DOWN_BLOCK,
         "persistent": prefill_gemm.PERSISTENT, "tuned_from": tuned, "engine_table": layer.prefill_measured,
-        "method": f"CUDA events around each call, median of {REPS} after {WARMUP} warm-ups over {SETS} rotating sets; "
+        "method": f"CUDA events around each call, median of {REPS} after {WARMUP} warm-ups over {SETS} rotating sets, "
+                  "the paths taking turns call by call; "
                   f"graph: {SETS} calls captured, median of {GRAPH_REPS} replays / {SETS}; host_us: time for the "
                   "call to return (launches; a host read waits for the GPU); skewed: Zipf popularity "
                   f"{ZIPF}, Gumbel top-k; errors vs fp32 MoE over exact weights, every set",
@@ -228,9 +255,11 @@ def main() -> int:
 
 def print_table(report: dict) -> None:
     by = {(r["routing"], r["tokens"], r["path"]): r for r in report["rows"] if "event_us" in r}
-    names = ("engine", "ours_syncfree", "ours_plan", "exllamav3_plan", "exl3_moe_alone", "bf16_grouped_mm")
+    names = ("engine", "ours_syncfree", "ours_syncfree_folded", "ours_syncfree_unfolded", "ours_plan",
+             "exllamav3_plan", "exl3_moe_alone", "bf16_grouped_mm")
+    names = tuple(n for n in names if any(r["path"] == n for r in report["rows"]))
     print("\nms per layer call (events); engine / exllamav3_plan speed-up; max rel err engine | exllamav3_plan")
-    print("routing tokens " + " ".join(f"{n:>15}" for n in names) + "  speedup  err")
+    print("routing tokens " + " ".join(f"{n[:15]:>15}" for n in names) + "  speedup  err")
     for (kind, tokens, name), r in sorted(by.items()):
         if name != "engine":
             continue

@@ -1,6 +1,7 @@
-"""Block shapes, tile size and decode/GEMM overlap of our sync-free prefill path (prefill_moe + prefill_gemm), timed
-as CUDA-graph replays (GPU-busy time) at a few sizes, random routing; plus the decode-only and GEMM-only split.
-Checks each variant against the fp32 reference. Writes tune_prefill.json.
+"""Block shapes, tile size and decode/GEMM overlap of our sync-free prefill path (prefill_moe + prefill_gemm), unfolded
+formulation, timed as CUDA-graph replays (GPU-busy time) at a few sizes, random routing; plus the split into decode,
+input rotation and GEMMs, the folded path it replaces, and cuBLAS over the same tiles. Checks each variant against
+the fp32 reference. Writes tune_prefill.json.
 
     PYTHONPATH=overlay/src python3 overlay/benchmarks/tune_prefill.py --out overlay/benchmarks/results/prefill
 """
@@ -17,11 +18,15 @@ from bench_prefill import routing_set
 from glm53_overlay.exl3 import gpu_checks, prefill_gemm, prefill_moe
 
 TOKENS = (512, 4096, 8192)
-GATE_UP = ((64, 64, 64, 4, 3), (64, 64, 64, 4, 2), (64, 64, 64, 4, 5), (64, 64, 128, 4, 3), (32, 64, 128, 4, 3),
-           (16, 64, 128, 4, 4), (64, 128, 128, 8, 2), (64, 32, 128, 4, 3), (32, 32, 256, 4, 2))
-DOWN = ((64, 64, 64, 4, 3), (64, 64, 64, 4, 5), (64, 128, 128, 8, 3), (32, 128, 64, 4, 4), (64, 64, 128, 4, 3),
-        (32, 64, 128, 4, 3))
-TILES = (16, 32)
+# Unfolded kernels (prefill_gemm.ROT_*_BLOCK): (rows, k) per block, warps, stages; columns are one Hadamard block.
+# The best three of each from dev/tune_prefill_run5.json; 4 warps spill gate_up's two 128-column accumulators (2x
+# slower in dev/tune_prefill_run4.json).
+ROT_GATE_UP = ((128, 64, 8, 3), (64, 64, 8, 3), (128, 32, 8, 4))
+ROT_DOWN = ((64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4))
+# prefill_gemm.ROW_PROGRAMS (0: one row program per possible row block).
+ROW_PROGRAMS = (0, 2, 4, 8)
+# Tile 32 measured 1-2% faster than 16 at twice the scratch (1.6 GB; dev/tune_prefill_run4.json): 16 kept.
+TILES = (16,)
 
 
 def graph_us(fn, sets) -> float:
@@ -53,40 +58,34 @@ def bmm_baseline(pre, token_counts, rows) -> None:
 
 
 def best_settings(report: dict) -> dict:
-    """The fastest measured settings (sums over the token counts): blocks and grid mode from the GEMM-only rows (the
-    mode whose best gate_up + best down is least), tile and overlap from the full rows."""
-    rows = [r for r in report["rows"] if "graph_us" in r and "gate_up_block" in r]
+    """The fastest measured settings of the unfolded path (sums over the token counts): each kernel's block and the
+    row-program cap from their GEMM-only rows, overlap from the full rows."""
+    rows = [r for r in report["rows"] if "graph_us" in r and "rot_gate_up_block" in r]
 
-    def best(prefix: str, key: str, persistent: bool) -> tuple[list, float]:
-        totals: dict[tuple, float] = {}
+    def best(prefix: str, key: str, unmeasured):
+        totals: dict = {}
         for r in rows:
-            if r["variant"].startswith(prefix) and r["persistent"] == persistent:
-                totals[tuple(r[key])] = totals.get(tuple(r[key]), 0.0) + r["graph_us"]
-        block = min(totals, key=totals.get)
-        return list(block), totals[block]
+            if r["variant"].startswith(prefix):
+                value = tuple(r[key]) if isinstance(r[key], list | tuple) else r[key]
+                totals[value] = totals.get(value, 0.0) + r["graph_us"]
+        return min(totals, key=totals.get) if totals else unmeasured
 
-    modes = {}
-    for persistent in (False, True):
-        try:
-            gu, t_gu = best(f"gemm only t16 p={int(persistent)} gate_up", "gate_up_block", persistent)
-            dn, t_dn = best(f"gemm only t16 p={int(persistent)} down", "down_block", persistent)
-        except ValueError:  # no row of this mode ran
-            continue
-        modes[persistent] = (t_gu + t_dn, gu, dn)
-    persistent = min(modes, key=lambda p: modes[p][0])
     full: dict[tuple, float] = {}
     for r in rows:
-        if r["variant"].startswith("full "):
+        if r["variant"].startswith("unfolded full "):
             full[(r["tile"], r["overlap"])] = full.get((r["tile"], r["overlap"]), 0.0) + r["graph_us"]
-    tile, overlap = min(full, key=full.get) if full else (16, True)
-    return {"persistent": persistent, "gate_up_block": modes[persistent][1], "down_block": modes[persistent][2],
+    tile, overlap = min(full, key=full.get) if full else (TILES[0], True)
+    return {"rot_gate_up_block": list(best("unfolded gemm only t16 gate_up", "rot_gate_up_block",
+                                           prefill_gemm.ROT_GATE_UP_BLOCK)),
+            "rot_down_block": list(best("unfolded gemm only t16 down", "rot_down_block", prefill_gemm.ROT_DOWN_BLOCK)),
+            "row_programs": best("unfolded gemm only t16 row_programs", "row_programs", prefill_gemm.ROW_PROGRAMS),
             "tile": tile, "overlap": overlap}
 
 
 def apply_settings(settings: dict) -> None:
-    prefill_gemm.PERSISTENT = settings["persistent"]
-    prefill_gemm.GATE_UP_BLOCK = tuple(settings["gate_up_block"])
-    prefill_gemm.DOWN_BLOCK = tuple(settings["down_block"])
+    prefill_gemm.ROT_GATE_UP_BLOCK = tuple(settings["rot_gate_up_block"])
+    prefill_gemm.ROT_DOWN_BLOCK = tuple(settings["rot_down_block"])
+    prefill_gemm.ROW_PROGRAMS = settings["row_programs"]
 
 
 def main() -> int:
@@ -97,6 +96,7 @@ def main() -> int:
     data = {t: [routing_set(t, "random", gen) for _ in range(2)] for t in args.tokens}
     refs = {t: gpu_checks.reference_moe(dense, *(lambda x, i, w: (x.half(), i, w))(*data[t][0]), SHAPE.act_limit)
             for t in args.tokens}
+    del dense
     rows = []
 
     def measure(label, pre, **extra):
@@ -107,39 +107,54 @@ def main() -> int:
                 us = graph_us(fn, data[tokens])
             except Exception as exc:
                 print(f"{label} T={tokens}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                torch.cuda.synchronize()
                 continue
             rows.append({"variant": label, "tokens": tokens, "graph_us": us, "rel_err": err,
-                         "gate_up_block": prefill_gemm.GATE_UP_BLOCK, "down_block": prefill_gemm.DOWN_BLOCK,
+                         "rot_gate_up_block": prefill_gemm.ROT_GATE_UP_BLOCK,
+                         "rot_down_block": prefill_gemm.ROT_DOWN_BLOCK, "row_programs": prefill_gemm.ROW_PROGRAMS,
                          "tile": pre.tile, "overlap": pre.overlap,
-                         "persistent": prefill_gemm.PERSISTENT, **extra})
-            print(f"{label:<40} T={tokens:<5} {us:8.0f} us  err {err:.2e}", flush=True)
+                         "unfolded": pre.unfolded, **extra})
+            print(f"{label:<48} T={tokens:<5} {us:8.0f} us  err {err:.2e}", flush=True)
 
-    def layer_of(tile, overlap=True):
+    def layer_of(tile, overlap=True, unfolded=True):
         return prefill_moe.PrefillExperts(layer.gate, layer.up, layer.down, codebook=SHAPE.codebook, ext=layer.ext,
-                                          act_limit=SHAPE.act_limit, tile_experts=tile, overlap=overlap)
+                                          act_limit=SHAPE.act_limit, tile_experts=tile, overlap=overlap,
+                                          unfolded=unfolded)
 
-    base_gu, base_down = prefill_gemm.GATE_UP_BLOCK, prefill_gemm.DOWN_BLOCK
+    folded = layer_of(16, overlap=True, unfolded=False)
+    measure("folded full t16 overlap=True (the path before)", folded)
+    folded.tile_mlp = lambda *a, **k: None
+    measure("folded decode only t16", folded)
+    del folded
     pre16 = layer_of(16, overlap=False)
     bmm_baseline(pre16, args.tokens, rows)
-    measure("default t16 no overlap", pre16)
-    real_mlp = pre16.tile_mlp
-    pre16.tile_mlp = lambda *a, **k: None
-    measure("decode only t16", pre16)
-    pre16.tile_mlp = real_mlp
+    real_mlp = pre16.tile_mlp_rotated
+    pre16.tile_mlp_rotated = lambda *a, **k: None
+    measure("unfolded decode + rotate only t16", pre16)
+    pre16.tile_mlp_rotated = real_mlp
+    # GEMM-only rows run over real decoded weights (the first tile's), with the decode itself skipped.
+    pre16._decode_tile(0, pre16.tile, None, 0)
     real_decode = pre16._decode_tile
     pre16._decode_tile = lambda lo, hi, ids, buffer: tuple(
-        pre16.scratch(buffer)[n][: hi - lo] for n in ("gate", "up", "down"))
-    for persistent in (False, True):
-        prefill_gemm.PERSISTENT = persistent
-        for gu in GATE_UP:
-            prefill_gemm.GATE_UP_BLOCK = gu
-            measure(f"gemm only t16 p={int(persistent)} gate_up {gu}", pre16)
-        prefill_gemm.GATE_UP_BLOCK = base_gu
-        for dn in DOWN:
-            prefill_gemm.DOWN_BLOCK = dn
-            measure(f"gemm only t16 p={int(persistent)} down {dn}", pre16)
-        prefill_gemm.DOWN_BLOCK = base_down
-    prefill_gemm.PERSISTENT = False
+        pre16.scratch(0)[n][: hi - lo] for n in ("gate", "up", "down"))
+    real_rotate = pre16.rotate_inputs
+    pre16.rotate_inputs = lambda *a, **k: None
+    measure("unfolded gemm only t16 (no rotate, no decode)", pre16)
+    pre16.rotate_inputs = real_rotate
+    base_gu, base_down = prefill_gemm.ROT_GATE_UP_BLOCK, prefill_gemm.ROT_DOWN_BLOCK
+    for gu in ROT_GATE_UP:
+        prefill_gemm.ROT_GATE_UP_BLOCK = gu
+        measure(f"unfolded gemm only t16 gate_up {gu}", pre16)
+    prefill_gemm.ROT_GATE_UP_BLOCK = base_gu
+    for dn in ROT_DOWN:
+        prefill_gemm.ROT_DOWN_BLOCK = dn
+        measure(f"unfolded gemm only t16 down {dn}", pre16)
+    prefill_gemm.ROT_DOWN_BLOCK = base_down
+    # The cap with the best blocks (its rows carry the blocks they ran with).
+    apply_settings(best_settings({"rows": rows}))
+    for cap in ROW_PROGRAMS:
+        prefill_gemm.ROW_PROGRAMS = cap
+        measure(f"unfolded gemm only t16 row_programs {cap}", pre16)
     pre16._decode_tile = real_decode
     del pre16
     # The full runs below use the fastest GEMM settings found above.
@@ -147,9 +162,20 @@ def main() -> int:
     for tile in TILES:
         for overlap in (False, True):
             pre = layer_of(tile, overlap)
-            measure(f"full t{tile} overlap={overlap}", pre)
+            measure(f"unfolded full t{tile} overlap={overlap}", pre)
             del pre
             torch.cuda.empty_cache()
+    # The row-program cap on skewed routing too (a hot expert's row blocks queue on fewer programs).
+    skewed = {t: [routing_set(t, "skewed", gen) for _ in range(2)] for t in args.tokens}
+    pre = layer_of(TILES[0])
+    best_cap = prefill_gemm.ROW_PROGRAMS
+    for cap in (0, best_cap):
+        prefill_gemm.ROW_PROGRAMS = cap
+        for tokens in args.tokens:
+            us = graph_us(lambda x, i, w: pre.apply(x.half(), i, w), skewed[tokens])
+            rows.append({"variant": f"skewed full t{pre.tile} row_programs {cap}", "tokens": tokens, "graph_us": us})
+            print(f"{'skewed full row_programs ' + str(cap):<48} T={tokens:<5} {us:8.0f} us", flush=True)
+    prefill_gemm.ROW_PROGRAMS = best_cap
     report = {"device": torch.cuda.get_device_name(), "rows": rows}
     report["best"] = best_settings(report)
     print("best:", report["best"])
