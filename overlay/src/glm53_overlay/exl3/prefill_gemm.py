@@ -53,7 +53,7 @@ HADAMARD_SCALE = HADAMARD_BLOCK**-0.5
 
 
 @lru_cache(maxsize=1)
-def kernels() -> Any:
+def kernels() -> Any:  # Triton JIT kernels: CUDA only
     import triton
     import triton.language as tl
 
@@ -164,7 +164,7 @@ def kernels() -> Any:
 
 
 @lru_cache(maxsize=1)
-def rotated_kernels() -> Any:
+def rotated_kernels() -> Any:  # Triton JIT kernels: CUDA only
     import triton
     import triton.language as tl
 
