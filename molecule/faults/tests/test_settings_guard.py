@@ -86,7 +86,8 @@ def serving(sim: Sim) -> None:
     run = sim.site("guard-serve", timeout=1200)
     assert run.rc == 0, run.evidence()
     # The simulated model's canary passed its pattern, not only "some answer".
-    assert re.search(r"canary: The cluster has two small machines", run.output), run.evidence()
+    # \s+: the YAML callback folds the message where its length puts the fold (a 27.99 s start folded it here).
+    assert re.search(r"canary:\s+The cluster has two small machines", run.output), run.evidence()
 
 
 def refused(sim: Sim, name: str, *args: str) -> Tuple[Run, str]:
