@@ -5,8 +5,8 @@
 #
 # Two stages, because every byte of this image moves several times per test run (registry push, the head's
 # pull, the ship to each worker): the wheels copied in for pip and the packages pip needs stay in the build
-# stage, and the image gets the installed venv alone. No compiler either: the simulated ranks and the engine
-# tier run without Dynamo (TORCHDYNAMO_DISABLE, docs/simulation.md), so Inductor never builds C++ here.
+# stage, and the image gets the installed venv alone. No compiler either: the simulated ranks run without
+# Dynamo (TORCHDYNAMO_DISABLE, inventory/sim, docs/simulation.md), so Inductor never builds C++ in them.
 ARG BASE_IMAGE=glm53-sim/base:bookworm
 
 FROM ${BASE_IMAGE} AS build
