@@ -53,7 +53,7 @@ def _published(repo: Path, model_dir: Path, message: str) -> str:
         clean = not _git(repo, "status", "--porcelain") and _git(repo, "branch", "--show-current") == "main"
     except subprocess.CalledProcessError:
         return ""
-    sha, _space, subject = head.partition(" ")
+    sha, _, subject = head.partition(" ")
     if "\n" in head or subject != message or not clean or _files(repo, skip=".git") != _files(model_dir):
         return ""
     return sha
