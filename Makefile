@@ -92,9 +92,8 @@ demo-down: venv
 	ansible-playbook playbooks/sim/down.yml
 
 # The fast tier runs first, so a broken unit test or sanity finding fails CI before any engine starts; the
-# images build beside it, and molecule's default and faults scenarios run side by side on two pairs of one
-# simulated cluster, with the engine tier beside them (tools/test-tiers.sh says why, and prints each tier's time
-# at the end).
+# images build beside it, and the engine tier runs beside molecule's default scenario (tools/test-tiers.sh says
+# why, and prints each tier's time at the end).
 test: host venv
 	tools/test-tiers.sh
 
@@ -155,9 +154,9 @@ monitoring-rules: venv
 engine: venv
 	cd overlay && $(BIN)/python -m pytest -q -ra -m slow tests --durations=0
 
-# One simulated cluster for the three scenarios: default starts it fresh on nodes 0 and 1 and leaves it up
-# (--destroy=never); faults adds nodes 2 and 3 as a second pair (inventory/sim-pair2: its own engine image, weights
-# and group), which `make test` runs beside default; four_nodes serves on all four nodes at tensor parallel 4,
+# One simulated cluster for the three scenarios: default starts it fresh and leaves it up (--destroy=never);
+# faults reuses its images, weights and nodes, paying only for the engine starts it needs, and leaves it up too;
+# four_nodes adds two nodes to it (the head's image and weights are there already), serves at tensor parallel 4,
 # then destroys every node. A scenario that fails leaves the cluster up for a look (make demo-down removes it).
 molecule:
 	$(MAKE) molecule-default

@@ -19,7 +19,7 @@ from ansible_collections.sparkops.glm53.plugins.module_utils.hf_snapshot import 
     repo_cache_dir,
 )
 
-from tools.sim_model.hub_repos import add_commit, publish_model
+from tools.sim_model.hub_repos import publish_model
 from tools.sim_model.make_tiny_glm import write_checkpoint
 from tools.sim_model.serve_hub import HubLayout, free_port, olah_config, running_hub
 
@@ -42,7 +42,7 @@ def hub(tmp_path_factory):
     }
     layout.config_path.write_text(olah_config(layout))
     with running_hub(layout):
-        yield {"endpoint": layout.endpoint, "shas": shas, "model": model, "mirrors": layout.mirrors_dir}
+        yield {"endpoint": layout.endpoint, "shas": shas, "model": model}
 
 
 def request(hub, cache: Path, **kw) -> SnapshotRequest:
@@ -175,16 +175,3 @@ def test_modules_download_rsync_copy_and_verify(hub, tmp_path):
     os.unlink(os.path.realpath(snap / "config.json"))
     broken = run_module("snapshot_verify", verify, tmp_path)
     assert broken["failed"] and broken["missing"] == ["config.json"] and broken["marker_removed"]
-
-
-def test_a_revision_on_a_side_branch_is_served_by_its_sha_and_main_stays(hub, tmp_path):
-    # molecule/faults publishes its upgrade this way, so molecule/default, running beside it on the same hub,
-    # keeps resolving main to the first revision.
-    from huggingface_hub import snapshot_download
-
-    new = add_commit(hub["mirrors"], PRIMARY, {"UPGRADE.md": b"revision 2\n"}, "revision 2", branch="faults-upgrade")
-    path = snapshot_download(PRIMARY, revision=new, endpoint=hub["endpoint"], cache_dir=str(tmp_path / "new"))
-    assert (Path(path) / "UPGRADE.md").read_bytes() == b"revision 2\n"
-    sha, _files = HuggingFaceHub(str(tmp_path / "main"), endpoint=hub["endpoint"]).fetch_manifest(
-        SnapshotSource(PRIMARY, "main"))
-    assert sha == hub["shas"][PRIMARY] != new

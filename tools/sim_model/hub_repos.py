@@ -39,35 +39,9 @@ def mirror_repo_path(mirrors_dir: Path, repo_id: str) -> Path:
     return mirrors_dir / "models" / org / name
 
 
-def _files(root: Path, skip: str = "") -> dict[Path, bytes]:
-    return {path.relative_to(root): path.read_bytes() for path in sorted(root.rglob("*"))
-            if path.is_file() and not (skip and path.relative_to(root).parts[0] == skip)}
-
-
-def _published(repo: Path, model_dir: Path, message: str) -> str:
-    """The sha when `repo` is already the one commit publish_model would make of `model_dir`, else ""."""
-    if not (repo / ".git").is_dir():
-        return ""
-    try:
-        head = _git(repo, "log", "--format=%H %s", "main")
-        clean = not _git(repo, "status", "--porcelain") and _git(repo, "branch", "--show-current") == "main"
-    except subprocess.CalledProcessError:
-        return ""
-    sha, _, subject = head.partition(" ")
-    if "\n" in head or subject != message or not clean or _files(repo, skip=".git") != _files(model_dir):
-        return ""
-    return sha
-
-
 def publish_model(model_dir: Path, mirrors_dir: Path, repo_id: str, message: str = "upload model") -> str:
-    """Make `repo_id` a one-commit git repo holding `model_dir`'s files; return the commit sha.
-
-    A repo that already is that commit is left as it is: the simulated cluster's setup runs again while nodes
-    download from the hub (molecule/faults starts beside molecule/default), and must not remove what they read."""
+    """Make `repo_id` a one-commit git repo holding `model_dir`'s files; return the commit sha."""
     repo = mirror_repo_path(mirrors_dir, repo_id)
-    sha = _published(repo, model_dir, message)
-    if sha:
-        return sha
     if repo.exists():
         shutil.rmtree(repo)
     repo.mkdir(parents=True)
@@ -82,20 +56,13 @@ def publish_model(model_dir: Path, mirrors_dir: Path, repo_id: str, message: str
     return _git(repo, "rev-parse", "HEAD")
 
 
-def add_commit(mirrors_dir: Path, repo_id: str, files: dict[str, bytes], message: str, branch: str = "main") -> str:
-    """Add or replace files in a published repo as a new commit on `branch` (made from main when it is new);
-    return the new sha. The working tree is main's again afterwards."""
+def add_commit(mirrors_dir: Path, repo_id: str, files: dict[str, bytes], message: str) -> str:
+    """Add or replace files in a published repo as a new commit on main; return the new sha."""
     repo = mirror_repo_path(mirrors_dir, repo_id)
-    if branch != "main":
-        _git(repo, "checkout", "--quiet", "-B", branch, "main")
-    try:
-        for rel, data in files.items():
-            target = repo / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        _git(repo, "add", "--all")
-        _git(repo, "commit", "--quiet", "--no-gpg-sign", "-m", message)
-        return _git(repo, "rev-parse", "HEAD")
-    finally:
-        if branch != "main":
-            _git(repo, "checkout", "--quiet", "main")
+    for rel, data in files.items():
+        target = repo / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    _git(repo, "add", "--all")
+    _git(repo, "commit", "--quiet", "--no-gpg-sign", "-m", message)
+    return _git(repo, "rev-parse", "HEAD")

@@ -2,10 +2,10 @@
 """Drive the real playbooks against the simulated Sparks and break things on purpose.
 
 Every run of site.yml/stop.yml goes through `Sim.start()`/`Sim.site()`: the same command line a user types
-(inventory/sim-pair2, the API key, HF token and registry password from an ansible-vault file made for this
+(inventory/sim, the API key, HF token and registry password from an ansible-vault file made for this
 session), its output kept under .cache/faults-logs/TIME/ as evidence and scanned for secrets at the end. Nodes
-are reached with `docker exec --user spark glm53-sim-nodeN` (`NODES[rank]`; the controller made them; root only
-where a test needs it), rank containers inside them with the node's own docker.
+are reached with `docker exec --user spark glm53-sim-nodeN` (the controller made them; root only where a test
+needs it), rank containers inside them with the node's own docker.
 """
 from __future__ import annotations
 
@@ -25,16 +25,14 @@ import pytest
 import yaml
 
 REPO = Path(os.environ.get("MOLECULE_PROJECT_DIRECTORY") or Path(__file__).resolve().parents[3])
-# Nodes 2 and 3, so that molecule/default can run on nodes 0 and 1 at the same time (docs/testing.md).
-INVENTORY = REPO / "inventory" / "sim-pair2"
+INVENTORY = REPO / "inventory" / "sim"
 SIM_VARS = yaml.safe_load((INVENTORY / "group_vars" / "sparks.yml").read_text())
 HOSTS = yaml.safe_load((INVENTORY / "hosts.yml").read_text())["all"]["children"]["sparks"]["hosts"]
 NAMES = list(HOSTS)  # rank order: the head first
 HEAD_IP = HOSTS[NAMES[0]]["glm53_fabric_ip"]
 PORT = 8888
 STOP_TIMEOUT = int(SIM_VARS["glm53_stop_timeout"])
-# The node containers by rank: node N is 172.31.253.(10 + N) (roles/sim_cluster).
-NODES = ["glm53-sim-node%d" % (int(HOSTS[name]["ansible_host"].rsplit(".", 1)[1]) - 10) for name in NAMES]
+NODE = "glm53-sim-node{}"
 RANK = "glm53-rank{}"
 # The owner's account the playbooks log in as (a DGX OS Spark's; docker/sim/node.Dockerfile): tests act on the
 # nodes as that user too, and as root only where a test breaks something only root can.
@@ -151,7 +149,7 @@ class Sim:
     # -- the nodes
     def node(self, rank: int, *argv: str, check: bool = False, timeout: float = 60,
              user: str = USER) -> subprocess.CompletedProcess:
-        proc = subprocess.run(["docker", "exec", "--user", user, NODES[rank], *argv], capture_output=True,
+        proc = subprocess.run(["docker", "exec", "--user", user, NODE.format(rank), *argv], capture_output=True,
                               text=True, timeout=timeout, check=False)
         if check and proc.returncode != 0:
             raise AssertionError("%s on node %d failed (%d): %s" % (argv, rank, proc.returncode, proc.stderr))

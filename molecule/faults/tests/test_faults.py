@@ -15,8 +15,8 @@ import time
 
 import yaml
 
-from conftest import (HF_CACHE, HEAD_IP, HOSTS, INVENTORY, LOCK, NAMES, PORT, RANK, REPO, SIM_VARS, STOP_TIMEOUT, USER,
-                      Sim, api, port_open, recap, wait_until)
+from conftest import (HF_CACHE, HEAD_IP, HOSTS, LOCK, NAMES, PORT, RANK, REPO, SIM_VARS, STOP_TIMEOUT, USER, Sim, api,
+                      port_open, recap, wait_until)
 
 HEAD, WORKER = NAMES[0], NAMES[1]
 WORKER_IP = HOSTS[WORKER]["glm53_fabric_ip"]
@@ -146,7 +146,7 @@ def test_rerun_recovers_while_another_run_waits_for_the_lock(sim: Sim) -> None:
             % (HEAD, holder["owner"])) in " ".join(waiter.output.split()), waiter.evidence()
     assert [sim.container(r)["Id"] for r in range(len(NAMES))] == ids, "the waiting run replaced rank containers"
     assert all(counts["changed"] == 0 for counts in recap(waiter.output).values()), waiter.evidence()
-    chat = subprocess.run([sys.executable, str(REPO / "tools/sim_chat.py"), "--inventory", str(INVENTORY),
+    chat = subprocess.run([sys.executable, str(REPO / "tools/sim_chat.py"), "--inventory", str(REPO / "inventory/sim"),
                            "--check"], capture_output=True, text=True, timeout=300, check=False,
                           env=dict(sim.env(), GLM53_API_KEY=sim.secrets["glm53_api_key"]))
     assert chat.returncode == 0, chat.stdout + chat.stderr

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: MIT
 """molecule/faults, upgrades and rollback (issue 28, docs/upgrades.md): a new checkpoint revision published in the
-simulated hub (and pinned by its sha) is staged while the old ranks serve, switched to and verified; the state it
-replaced is kept stopped on every node and recorded on the head; playbooks/rollback.yml returns to it, and the
-same question gets the same answer as before the upgrade. (A change that fails the quality gate and rolls back by itself is
+simulated hub is staged while the old ranks serve, switched to and verified; the state it replaced is kept
+stopped on every node and recorded on the head; playbooks/rollback.yml returns to it, and the same question
+gets the same answer as before the upgrade. (A change that fails the quality gate and rolls back by itself is
 molecule/default's verify_quality.yml.)
 
-Leaves the first state serving, and the hub's repo as it was, for the tests after it."""
+Leaves the first state serving, and the hub's `main` where it was, for the tests after it."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,6 @@ MIRRORS = REPO / ".cache" / "sim" / "hub" / "mirrors"
 MODEL = "sim/tiny-glm"
 RECORD = CACHE + "/deployments.json"
 QUESTION = "What do the two machines do?"
-BRANCH = "faults-upgrade"
 
 
 def served_root(sim: Sim) -> str:
@@ -60,11 +59,12 @@ def outage(run_output: str) -> float:
 
 @pytest.fixture(scope="module")
 def new_revision() -> Iterator[str]:
-    """A second revision of the simulated checkpoint on a branch of the hub's repo, removed afterwards. Not on
-    main: molecule/default, running beside this scenario on the same hub, must keep resolving main to the first."""
-    yield add_commit(MIRRORS, MODEL, {"UPGRADE.md": b"revision 2 of the simulated checkpoint\n"}, "revision 2",
-                     branch=BRANCH)
-    subprocess.run(["git", "-C", str(mirror_repo_path(MIRRORS, MODEL)), "branch", "--quiet", "-D", BRANCH], check=True)
+    """A second revision of the simulated checkpoint on the hub's main; main goes back to the first afterwards."""
+    repo = mirror_repo_path(MIRRORS, MODEL)
+    first = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    yield add_commit(MIRRORS, MODEL, {"UPGRADE.md": b"revision 2 of the simulated checkpoint\n"}, "revision 2")
+    subprocess.run(["git", "-C", str(repo), "reset", "--quiet", "--hard", first], check=True)
 
 
 def test_an_upgrade_is_staged_switched_verified_and_recorded_then_rollback_yml_returns(sim: Sim, new_revision: str) -> None:
@@ -119,6 +119,7 @@ def test_an_upgrade_is_staged_switched_verified_and_recorded_then_rollback_yml_r
     # Fewer states kept: the record is trimmed to the serving one, the upgrade's stopped copies and its revision
     # are removed from both nodes, and the serving ranks are not touched.
     ids = [sim.container(rank)["Id"] for rank in range(len(NAMES))]
+    # (The hub's main is still the new revision here: the first one is named.)
     trim = sim.site("rollback-keep-one", "-e", "glm53_keep_states=1", "-e",
                     "glm53_model_revision=%s" % first_root.rsplit("/", 1)[1], timeout=600)
     assert trim.rc == 0, trim.evidence()

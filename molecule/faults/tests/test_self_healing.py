@@ -15,7 +15,7 @@ import subprocess
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from conftest import CACHE, HF_CACHE, NAMES, NODES, PORT, RANK, Sim, api, wait_until
+from conftest import CACHE, HF_CACHE, NAMES, NODE, PORT, RANK, Sim, api, wait_until
 
 HEAD, WORKER = NAMES[0], NAMES[1]
 STATE = CACHE + "/self-heal/state.json"
@@ -60,7 +60,7 @@ def supervisor_log(sim: Sim) -> str:
 
 def restart_nodes(*ranks: int) -> None:
     """Reboot simulated nodes at the same moment (docker restart runs them one after the other)."""
-    procs = [subprocess.Popen(["docker", "restart", NODES[r]], stdout=subprocess.DEVNULL,
+    procs = [subprocess.Popen(["docker", "restart", NODE.format(r)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE) for r in ranks]
     for proc in procs:
         _out, err = proc.communicate(timeout=120)
