@@ -43,6 +43,12 @@ def ask(sim: Sim) -> str:
     return json.loads(body)["choices"][0]["message"]["content"]
 
 
+def chat_requests(sim: Sim) -> int:
+    """Chat completions the head's rank has answered (vLLM's access log): the health stage's warm-up and canary."""
+    logs = sim.node(0, "sh", "-c", "docker logs %s 2>&1 | grep -c 'POST /v1/chat/completions'" % RANK.format(0))
+    return int(logs.stdout.strip() or 0)
+
+
 def record(sim: Sim) -> List[Dict[str, Any]]:
     return json.loads(sim.node(0, "cat", RECORD, check=True).stdout)["good"]
 
@@ -83,6 +89,9 @@ def test_an_upgrade_is_staged_switched_verified_and_recorded_then_rollback_yml_r
     assert up.rc == 0, up.evidence()
     up_out = " ".join(up.output.split())
     assert served_root(sim).endswith("/snapshots/%s" % new_revision), served_root(sim)
+    # A group this run started gets a warm-up request, then the canary.
+    started = chat_requests(sim)
+    assert started == 2, "the new ranks answered %d chat requests, not a warm-up and the canary" % started
     # Staged: the weights stage (download, sync) finished before the old ranks were stopped.
     assert up.output.index("TASK [sparkops.glm53.model_weights") < up.output.index("Stop the serving ranks, keeping them"), up.evidence()
     seconds = outage(up.output)
@@ -119,12 +128,16 @@ def test_an_upgrade_is_staged_switched_verified_and_recorded_then_rollback_yml_r
     # Fewer states kept: the record is trimmed to the serving one, the upgrade's stopped copies and its revision
     # are removed from both nodes, and the serving ranks are not touched.
     ids = [sim.container(rank)["Id"] for rank in range(len(NAMES))]
+    chats = chat_requests(sim)
     # (The hub's main is still the new revision here: the first one is named.)
     trim = sim.site("rollback-keep-one", "-e", "glm53_keep_states=1", "-e",
                     "glm53_model_revision=%s" % first_root.rsplit("/", 1)[1], timeout=600)
     assert trim.rc == 0, trim.evidence()
     assert [g["spec"] for g in record(sim)] == [first_spec]
     assert [sim.container(rank)["Id"] for rank in range(len(NAMES))] == ids
+    # A group this run left running has served before: the canary alone, no warm-up.
+    sent = chat_requests(sim) - chats
+    assert sent == 1, "a run that restarted nothing sent %d chat requests, not the canary alone" % sent
     new_snapshot = first_root.rsplit("/", 1)[0].replace("/root/.cache/huggingface", HF_CACHE) + "/" + new_revision
     for rank in range(len(NAMES)):
         assert kept(sim, rank, new_spec) is None, "rank %d still keeps the upgrade's stopped copy" % rank

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jinja2
 import yaml
@@ -105,8 +105,16 @@ def _render_with_defaults(template: str) -> str:
     return jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(template).render(context)
 
 
+def _tasks(tasks: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """Every task of a task file, those inside blocks included."""
+    for task in tasks:
+        yield task
+        for part in ("block", "rescue", "always"):
+            yield from _tasks(task.get(part, []))
+
+
 def _task(path: str, name: str) -> dict[str, Any]:
-    [task] = [t for t in yaml.safe_load((REPO / path).read_text()) if t.get("name") == name]
+    [task] = [t for t in _tasks(yaml.safe_load((REPO / path).read_text())) if t.get("name") == name]
     return task
 
 
