@@ -17,8 +17,8 @@ import yaml
 CheckRun = Callable[..., subprocess.CompletedProcess[str]]
 
 
-def test_a_docker_that_does_not_answer_fails_on_every_node_naming_user_and_node(check_run: CheckRun,
-                                                                                 tmp_path: Path) -> None:
+def test_a_docker_that_does_not_answer_fails_on_every_node_naming_user_and_node(
+        check_run: CheckRun, tmp_path: Path) -> None:
     socket = tmp_path / "no-docker.sock"
     play = [{"hosts": "sparks", "gather_facts": True, "gather_subset": ["min"],
              "environment": {"DOCKER_HOST": "unix://%s" % socket},
