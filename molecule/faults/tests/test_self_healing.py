@@ -5,8 +5,8 @@ temperature 0, with no Ansible run; a crash loop backs off and ends stopped with
 a stopped cluster stays stopped across reboots. A node reboot is `docker restart glm53-sim-nodeN` (its
 dockerd and sshd restart; its containers and disk survive, as on a real Spark).
 
-Tests run in file order on the faults scenario's cluster. One site.yml run starts the engine; every other
-start is the supervisor's. Recovery times are printed and checked against 3x a normal engine start."""
+Tests run in file order on the faults scenario's cluster, as its last module (conftest.MODULE_ORDER). One
+site.yml run starts the engine; every other start is the supervisor's. Recovery times are printed and checked against 3x a normal engine start."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ HEAD, WORKER = NAMES[0], NAMES[1]
 STATE = CACHE + "/self-heal/state.json"
 SUPERVISOR = "glm53-self-heal"
 MODEL_DIR = HF_CACHE + "/hub/models--sim--tiny-glm"
-# From the settings-change test on, the group serves here (the later tests follow it; settings_guard re-deploys).
+# From the settings-change test on, the group serves here (the later tests follow it; stop.yml ends it).
 NEW_PORT = PORT + 1
 # Short waits so that four events and a crash loop fit in CI; the defaults are in docs/self-healing.md.
 SELF_HEAL = ["-e", "glm53_self_heal=true", "-e", "glm53_self_heal_poll_interval=2", "-e", "glm53_self_heal_grace=20",

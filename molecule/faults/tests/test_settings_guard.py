@@ -4,9 +4,10 @@ stops, recreates or restarts a rank. Bad values of features that are off, values
 revision it does not have) and a wrong registry password each fail naming the setting, while the rank containers
 keep their IDs and start times and the API answers every poll of a thread that asks it throughout the run.
 
-Runs last in the scenario (file order): if the cluster is not serving, one site.yml run starts it (that run's
-canary is the simulated model's own, glm53_canary_expect of inventory/sim). The last test asks the production
-canary question, which the tiny model answers with fluent words that are no answer, and the ranks are stopped."""
+Runs after the rollback test (conftest.MODULE_ORDER), whose last run leaves the group serving; if the cluster is
+not serving, one site.yml run starts it (that run's canary is the simulated model's own, glm53_canary_expect of
+inventory/sim). The last test asks the production canary question, which the tiny model answers with fluent
+words that are no answer, and the ranks are stopped."""
 from __future__ import annotations
 
 import re
