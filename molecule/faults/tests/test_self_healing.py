@@ -6,7 +6,8 @@ a stopped cluster stays stopped across reboots. A node reboot is `docker restart
 dockerd and sshd restart; its containers and disk survive, as on a real Spark).
 
 Tests run in file order on the faults scenario's cluster, as its last module (conftest.MODULE_ORDER). One
-site.yml run starts the engine; every other start is the supervisor's. Recovery times are printed and checked against 3x a normal engine start."""
+site.yml run starts the engine; every other start is the supervisor's. Recovery times are printed and checked
+against 3x a normal engine start."""
 from __future__ import annotations
 
 import json
