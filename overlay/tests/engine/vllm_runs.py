@@ -109,8 +109,10 @@ def _generate(model: str, tp: int, env_items: tuple[tuple[str, str], ...], read_
     # deliberately wrong run must reach the engine as it reaches the model writer.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("GLM53_", "VLLM_PLUGINS")) or k.startswith("GLM53_TEST_")}
-    # No Dynamo, as in inventory/sim: the functions vLLM compiles even in eager mode cost a C++ build per rank.
-    env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1", **dict(env_items)}
+    # As in inventory/sim: no Dynamo (the functions vLLM compiles even in eager mode cost a C++ build per rank), and
+    # the engine processes forked as on a GPU (docker/sim/vllm-mp-method; spawned, each imported torch and vLLM anew).
+    env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1",
+            "VLLM_WORKER_MULTIPROC_METHOD": "fork", **dict(env_items)}
     if read_linears:
         # apply_model pickles served_linears by reference: every engine process must import this module.
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
