@@ -64,7 +64,7 @@ def test_without_the_overlay_vllm_dies_in_the_zero_width_rotary(tiny_glm: tuple[
     so this fails for any other failure (a load error, an unsupported-config refusal, a different crash)
     and when vLLM starts serving rope-0 models by itself."""
     _, twin = tiny_glm
-    # Every plugin but the overlay: the simulation's own (docker/sim/vllm-mp-method) starts the engine as the others do.
+    # The simulation's own plugin alone (docker/sim/vllm-mp-method): the engine starts as in the other runs.
     bare = generate(twin, env={"VLLM_PLUGINS": "glm53_sim_mp_method", "PYTHONFAULTHANDLER": "1"}, expect_ok=False)
     assert not bare.ok, "vLLM served a NoPE model without the overlay: the padding may no longer be needed"
     assert "glm53-nope" not in bare.log
