@@ -69,6 +69,7 @@ images: host build/ca-bundle.crt
 	$(DOCKER_BUILD) -q -f docker/sim/hub.Dockerfile -t glm53-sim/hub:latest .
 	$(DOCKER_BUILD) -q -f docker/sim/prometheus.Dockerfile -t glm53-sim/prometheus:latest .
 	$(DOCKER_BUILD) -q -f docker/sim/node-exporter.Dockerfile -t glm53-sim/node-exporter:latest .
+	$(DOCKER_BUILD) -q -f docker/sim/edge.Dockerfile -t glm53-sim/edge:latest .
 	$(MAKE) vllm-cpu-base
 
 vllm-cpu-base: build/ca-bundle.crt

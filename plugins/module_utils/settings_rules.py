@@ -38,6 +38,9 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HCA = re.compile(r"^[A-Za-z0-9_.-]+(:[1-9][0-9]*)?$")
 # Prometheus durations: 30s, 1m, 1h30m, 15d.
 _PROM_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+# The edge's keys and names go verbatim into nginx's config: no quote, space or semicolon can reach it.
+_EDGE_USER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_EDGE_KEY = re.compile(r"^[A-Za-z0-9._~+/=-]{16,256}$")
 _LAYERS = re.compile(r"^\s*\d+(\s*-\s*\d+)?(\s*,\s*\d+(\s*-\s*\d+)?)*\s*$")
 
 
@@ -147,6 +150,16 @@ def regex_or_empty(v: str) -> str | None:
     return None
 
 
+def edge_keys(v: Mapping[str, Any]) -> str | None:
+    allowed = ("a mapping of user names (letters, digits, ., _ or -, at most 64) to keys of 16 to 256 letters, "
+               "digits or ._~+/=-, no key shared")
+    keys = [str(key) for key in v.values()]
+    ok = (all(_EDGE_USER.match(str(name)) for name in v) and all(_EDGE_KEY.match(key) for key in keys)
+          and len(set(keys)) == len(keys))
+    # The mapping itself never goes into the message: its values are secrets.
+    return None if ok else allowed
+
+
 def layer_spec(v: str) -> str | None:
     return None if _LAYERS.match(v) else "inclusive layer ranges and lists such as 15-45 or 1,3,5-7"
 
@@ -235,6 +248,15 @@ RULES: dict[str, Check] = {
     "glm53_monitoring_spec_acceptance_min": fraction,
     "glm53_monitoring_memory_headroom_min": fraction,
     "glm53_grafana_url": url_or_empty,
+    "glm53_edge_image": matches(_IMAGE_REF, "an image reference such as nginx:1.28.0-bookworm"),
+    "glm53_edge_port": between(1, 65535),
+    "glm53_edge_keys": edge_keys,
+    "glm53_edge_max_requests_per_key": at_least(0),
+    "glm53_edge_max_requests": at_least(0),
+    "glm53_edge_retry_after": at_least(1),
+    "glm53_edge_tls_cert": absolute_path_or_empty,
+    "glm53_edge_tls_key": absolute_path_or_empty,
+    "glm53_edge_tls_local_ca_dir": absolute_path_or_empty,
     "glm53_ablation_layers": layer_spec,
     "glm53_ablation_alpha": positive,
     "glm53_ablation_donor_dir": absolute_path_or_empty,
@@ -283,9 +305,40 @@ def settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str,
         check = RULES.get(name)
         allowed = check(value) if check else None
         if allowed:
-            errors.append(f"{name} must be {allowed} (got {settings[name]!r})")
+            shown = "not shown, a secret" if entry.get("no_log") else repr(settings[name])
+            errors.append(f"{name} must be {allowed} (got {shown})")
     refused = {_subject(message) for message in errors}
-    return errors + [message for message in also if _subject(message) not in refused]
+    return errors + [message for message in [*also, *edge_errors(settings)] if _subject(message) not in refused]
+
+
+def edge_errors(settings: Mapping[str, Any]) -> list[str]:
+    """The rules between the API edge's settings (only where each value is of its type: a mistyped one is
+    settings_errors' own)."""
+    def value(name: str, convert: Callable[[Any], Any]) -> Any:
+        try:
+            return convert(settings[name]) if name in settings else None
+        except (TypeError, ValueError):
+            return None
+
+    errors = []
+    keys = settings.get("glm53_edge_keys")
+    if value("glm53_edge", as_bool) and isinstance(keys, Mapping) and not keys:
+        errors.append("glm53_edge_keys must name at least one user and key when glm53_edge is on")
+    port = value("glm53_edge_port", as_int)
+    taken = {name: value(name, as_int) for name in ("glm53_port", "glm53_master_port")}
+    clash = [name for name, other in taken.items() if port is not None and other == port]
+    if clash:
+        errors.append(f"glm53_edge_port ({port}) must differ from {' and '.join(clash)}")
+    # 0 resolves to glm53_max_num_seqs and twice it (roles/edge), which always agree.
+    per_key = value("glm53_edge_max_requests_per_key", as_int)
+    overall = value("glm53_edge_max_requests", as_int)
+    if per_key and overall and per_key > overall:
+        errors.append(f"glm53_edge_max_requests_per_key ({per_key}) must be <= glm53_edge_max_requests ({overall})")
+    if bool(settings.get("glm53_edge_tls_cert")) != bool(settings.get("glm53_edge_tls_key")):
+        errors.append("glm53_edge_tls_cert and glm53_edge_tls_key must be set together (or both left empty)")
+    if value("glm53_edge_tls_local_ca", as_bool) and settings.get("glm53_edge_tls_cert"):
+        errors.append("glm53_edge_tls_local_ca and glm53_edge_tls_cert are two ways to the edge's certificate: set one")
+    return errors
 
 
 def serve_settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str, Any]], *,

@@ -74,6 +74,14 @@ def test_the_shipped_defaults_pass() -> None:
     ("glm53_monitoring_down_for", "1 minute", "Prometheus duration"),
     ("glm53_monitoring_spec_acceptance_min", 1.5, "fraction"),
     ("glm53_grafana_url", "grafana:3000", "http(s)"),
+    # The edge's keys and names go verbatim into nginx's config: a quote or a space would break out of it.
+    ("glm53_edge_keys", {"alice": 'key-with-a-"quote"-inside'}, "keys of 16 to 256"),
+    ("glm53_edge_keys", {"al ice": "a-long-enough-key-0001"}, "user names"),
+    ("glm53_edge_keys", {"alice": "short"}, "keys of 16 to 256"),
+    ("glm53_edge_keys", {"alice": "the-same-key-00001", "bob": "the-same-key-00001"}, "no key shared"),
+    ("glm53_edge_port", 0, "in [1, 65535]"),
+    ("glm53_edge_retry_after", 0, ">= 1"),
+    ("glm53_edge_max_requests", -1, ">= 0"),
 ])
 def test_a_value_that_cannot_be_right_names_the_setting_and_what_is_allowed(
         name: str, value: Any, allowed: str) -> None:
@@ -157,3 +165,27 @@ def test_the_serve_check_reports_each_settings_own_rule_and_the_rules_between_th
 def test_a_setting_refused_on_its_own_is_not_reported_again_by_a_rule_between_settings() -> None:
     assert sorted(serve_errors_for(port=0, master_port=0)) == [
         "glm53_master_port must be in [1, 65535] (got 0)", "glm53_port must be in [1, 65535] (got 0)"]
+
+
+def test_a_refused_key_is_never_shown() -> None:
+    errors = errors_for(glm53_edge_keys={"alice": "secret key with spaces"})
+    assert errors and not any("secret key" in error for error in errors), errors
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
+    ({"glm53_edge": True}, "glm53_edge_keys must name at least one user and key when glm53_edge is on"),
+    ({"glm53_edge_port": 8888}, "glm53_edge_port (8888) must differ from glm53_port"),
+    ({"glm53_edge_max_requests_per_key": 9, "glm53_edge_max_requests": 3},
+     "glm53_edge_max_requests_per_key (9) must be <= glm53_edge_max_requests (3)"),
+    ({"glm53_edge_tls_cert": "/etc/edge/cert.pem"},
+     "glm53_edge_tls_cert and glm53_edge_tls_key must be set together (or both left empty)"),
+    ({"glm53_edge_tls_local_ca": True, "glm53_edge_tls_cert": "/c.pem", "glm53_edge_tls_key": "/k.pem"},
+     "glm53_edge_tls_local_ca and glm53_edge_tls_cert are two ways to the edge's certificate: set one"),
+])
+def test_the_edges_settings_must_agree(changes: dict[str, Any], expected: str) -> None:
+    assert errors_for(**changes) == [expected]
+
+
+def test_an_edge_with_keys_and_derived_limits_passes() -> None:
+    assert errors_for(glm53_edge=True, glm53_edge_keys={"alice": "a-long-enough-key-0001"},
+                      glm53_edge_max_requests_per_key=0, glm53_edge_max_requests=0) == []
