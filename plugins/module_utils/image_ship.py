@@ -1,13 +1,17 @@
 # SPDX-License-Identifier: MIT
 # Copyright: (c) 2026, sparkops
-"""Ship a docker image from the head to one worker: `docker image save` | zstd | ssh 'zstd -dc | docker image load'.
+"""Ship a docker image from the head to the workers: `docker image save` | zstd, once, then the compressed
+stream to every worker at the same time: ssh 'zstd -dc | docker image load' each.
 
-The old ship was one shell pipe with no timeout: a link that stalled hung the run while it held the run lock.
-Here the module itself sits between the stages and copies every byte (save -> zstd, zstd -> ssh), so it knows
-how much moved, raw and on the wire, and when nothing moved for `stall_timeout_s` once the first byte came out of
-`docker image save`: then it kills every stage
-(each runs in its own process group, so a shell stand-in's children go too) and starts again from the first
-byte, up to `attempts` times, all within `timeout_s`.
+The old ship was one shell pipe per worker with no timeout: a link that stalled hung the run while it held the run
+lock, and N workers cost N exports and N compressions on the head. Here the module itself sits between the
+stages and copies every byte (save -> zstd, zstd -> each ssh), so it knows how much moved, raw and to each worker,
+and when nothing moved for `stall_timeout_s` once the first byte came out of `docker image save`:
+- a worker whose ssh has not taken a byte for that long is killed alone (its process group, so a shell stand-in's
+  children go too), and the others go on;
+- nothing moving anywhere (the export or the compression stalled) kills every stage.
+Workers that did not get the whole image start again from the first byte with a new export, up to `attempts`
+times, all within `timeout_s`. The stream moves at the pace of the slowest worker still taking bytes, as `tee`.
 
 Why restart rather than resume: `docker image load` tags nothing until it has read the whole archive (the
 legacy store untars the stream into a temporary directory first, the containerd store imports every blob
@@ -31,7 +35,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Callable, List, Sequence
+from typing import IO, Callable, Dict, List, Optional, Sequence, Tuple
 
 CHUNK = 1 << 20
 # ssh gives up on a silent peer after ServerAliveInterval x ServerAliveCountMax seconds.
@@ -115,59 +119,88 @@ def keepalive(stall_timeout_s: float) -> int:
     return max(1, int(math.ceil(stall_timeout_s / KEEPALIVE_COUNT)))
 
 
-def ship_stages(image: str, destination: str, compression_level: int, stall_timeout_s: float,
-                connect_timeout_s: int = 10) -> List[Stage]:
-    """The three processes of a ship to `destination` (user@host), zstd on both ends (-T0: every core)."""
-    remote = "zstd -dc | docker image load"
+def source_stages(image: str, compression_level: int) -> List[Stage]:
+    """The head's half, run once for every worker: the export and its compression (-T0: every core)."""
     return [
         Stage("docker image save", ["docker", "image", "save", image]),
         Stage("zstd", ["zstd", "-%d" % compression_level, "-T0", "-q", "-c"]),
-        Stage("ssh %s '%s'" % (destination, remote),
-              ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
-               "-o", "ConnectTimeout=%d" % connect_timeout_s,
-               "-o", "ServerAliveInterval=%d" % keepalive(stall_timeout_s),
-               "-o", "ServerAliveCountMax=%d" % KEEPALIVE_COUNT,
-               destination, remote]),
     ]
 
 
-def describe_stages(stages: Sequence[Stage]) -> str:
-    return " | ".join(shlex.join(list(s.argv)) for s in stages)
+def sink_stage(destination: str, stall_timeout_s: float, connect_timeout_s: int = 10) -> Stage:
+    """One worker's half: ssh to `destination` (user@host), which decompresses and loads."""
+    remote = "zstd -dc | docker image load"
+    return Stage("ssh %s '%s'" % (destination, remote),
+                 ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
+                  "-o", "ConnectTimeout=%d" % connect_timeout_s,
+                  "-o", "ServerAliveInterval=%d" % keepalive(stall_timeout_s),
+                  "-o", "ServerAliveCountMax=%d" % KEEPALIVE_COUNT,
+                  destination, remote])
+
+
+def describe_stages(sources: Sequence[Stage], sinks: Sequence[Stage]) -> str:
+    """The pipeline as a shell would write it: a plain pipe for one worker, `tee` into each for several."""
+    head = " | ".join(shlex.join(list(s.argv)) for s in sources)
+    if len(sinks) == 1:
+        return "%s | %s" % (head, shlex.join(list(sinks[0].argv)))
+    return "%s | tee %s > /dev/null" % (head, " ".join(">(%s)" % shlex.join(list(s.argv)) for s in sinks))
 
 
 class _Pump(threading.Thread):
-    """Copies one stage's stdout into the next one's stdin, counting bytes and stamping progress."""
+    """Copies one stage's stdout into the stdin of each next stage, counting bytes and stamping progress.
 
-    def __init__(self, source: IO[bytes], sink: IO[bytes], clock: Callable[[], float],
+    A sink that stops reading (its process exited) is dropped and the others go on; `writing` says which sink
+    a write is waiting on and since when the last byte went into it, so a stalled sink can be told apart."""
+
+    def __init__(self, source: IO[bytes], sinks: Sequence[IO[bytes]], clock: Callable[[], float],
                  on_progress: Callable[[float], None]) -> None:
         super().__init__(daemon=True)
-        self.source, self.sink, self.clock, self.on_progress = source, sink, clock, on_progress
-        self.count = 0
-        self.broken = False  # the next stage stopped reading (it exited)
+        self.source, self.sinks, self.clock, self.on_progress = source, list(sinks), clock, on_progress
+        self.read = 0
+        self.counts = [0] * len(self.sinks)
+        self.broken = [False] * len(self.sinks)  # that sink stopped reading (it exited or was killed)
+        self.writing: Optional[Tuple[int, float]] = None
 
     def run(self) -> None:
         try:
-            while True:
+            while not all(self.broken):
                 try:
                     chunk = os.read(self.source.fileno(), CHUNK)
                 except OSError:
                     break
                 if not chunk:
                     break
-                view = memoryview(chunk)
-                while view:
-                    written = os.write(self.sink.fileno(), view)
-                    view = view[written:]
-                    self.count += written
-                    self.on_progress(self.clock())
-        except (BrokenPipeError, OSError):
-            self.broken = True
+                self.read += len(chunk)
+                for i in range(len(self.sinks)):
+                    if not self.broken[i]:
+                        self._write(i, chunk)
         finally:
-            for handle in (self.sink, self.source):
-                try:
-                    handle.close()
-                except OSError:
-                    pass
+            for handle in (*self.sinks, self.source):
+                _close(handle)
+
+    def _write(self, i: int, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        self.writing = (i, self.clock())
+        try:
+            while view:
+                written = os.write(self.sinks[i].fileno(), view)
+                view = view[written:]
+                self.counts[i] += written
+                now = self.clock()
+                self.writing = (i, now)
+                self.on_progress(now)
+        except OSError:  # BrokenPipeError included: the sink's process is gone
+            self.broken[i] = True
+            _close(self.sinks[i])
+        finally:
+            self.writing = None
+
+
+def _close(handle: IO[bytes]) -> None:
+    try:
+        handle.close()
+    except OSError:
+        pass
 
 
 def _tail(handle: IO[bytes]) -> str:
@@ -185,9 +218,10 @@ def _exit_text(rc: int) -> str:
     return "exited %d" % rc
 
 
-def run_once(stages: Sequence[Stage], number: int, stall_timeout_s: float, deadline: float,
-             clock: Callable[[], float] = time.monotonic, poll_s: float = 0.1) -> Attempt:
-    """One attempt: start every stage, pump between them, watch for a stall, a deadline or a failed stage."""
+def run_once(sources: Sequence[Stage], sinks: Sequence[Stage], number: int, stall_timeout_s: float, deadline: float,
+             clock: Callable[[], float] = time.monotonic, poll_s: float = 0.1) -> List[Attempt]:
+    """One attempt for every sink: start every stage, pump between them, watch for stalls (one sink's or the
+    whole stream's), the deadline or a failed source stage. One Attempt per sink, in their order."""
     started = clock()
     last = [started]
     lock = threading.Lock()
@@ -196,41 +230,52 @@ def run_once(stages: Sequence[Stage], number: int, stall_timeout_s: float, deadl
         with lock:
             last[0] = now
 
+    stages = [*sources, *sinks]
+    first_sink = len(sources)
     errs = [tempfile.TemporaryFile() for stage in stages]
-    out = tempfile.TemporaryFile()
+    outs = [tempfile.TemporaryFile() for stage in sinks]
     procs: List[subprocess.Popen] = []
-    pumps: List[_Pump] = []
     try:
         for i, stage in enumerate(stages):
             procs.append(subprocess.Popen(
                 list(stage.argv), stdin=subprocess.PIPE if i else subprocess.DEVNULL,
-                stdout=subprocess.PIPE if i < len(stages) - 1 else out, stderr=errs[i], start_new_session=True))
+                stdout=subprocess.PIPE if i < first_sink else outs[i - first_sink], stderr=errs[i],
+                start_new_session=True))
     except OSError as exc:
         _kill(procs)
-        return Attempt(number, "failed", clock() - started, 0, 0,
-                       "%s could not start: %s" % (stages[len(procs)].name, exc))
-    for i in range(len(stages) - 1):
-        pumps.append(_Pump(procs[i].stdout, procs[i + 1].stdin, clock, progress))
-        pumps[-1].start()
+        why = "%s could not start: %s" % (stages[len(procs)].name, exc)
+        return [Attempt(number, "failed", clock() - started, 0, 0, why) for sink in sinks]
+    pumps = [_Pump(procs[i].stdout, [procs[i + 1].stdin], clock, progress) for i in range(first_sink - 1)]
+    fan = _Pump(procs[first_sink - 1].stdout, [p.stdin for p in procs[first_sink:]], clock, progress)
+    pumps.append(fan)
+    for pump in pumps:
+        pump.start()
 
     outcome, why = "ok", ""
-    exits: dict[int, int] = {}  # stage index -> rc, in the order the exits were seen (the cause first)
+    stalled: Dict[int, float] = {}  # sink index -> seconds its write waited when it was killed
+    exits: Dict[int, int] = {}  # stage index -> rc, in the order the exits were seen (the cause first)
     while True:
         for i, proc in enumerate(procs):
             if i not in exits and proc.poll() is not None:
                 exits[i] = proc.returncode
         if len(exits) == len(procs):
             break
-        if any(rc != 0 for rc in exits.values()):
+        if any(rc != 0 for i, rc in exits.items() if i < first_sink) and not all(fan.broken):
             outcome = "failed"
             break
         now = clock()
+        writing = fan.writing
+        if writing and now - writing[1] >= stall_timeout_s:
+            # One worker stopped taking bytes: it goes, the stream goes on to the others with a fresh window.
+            stalled[writing[0]] = now - writing[1]
+            _kill([procs[first_sink + writing[0]]])
+            progress(now)
         with lock:
             idle = now - last[0]
         # The clock starts at the producer's first byte: `docker image save` (the legacy store) exports every layer
         # before it writes one (18 s for the simulation's 3 GB image, minutes for 20+ GB), and nothing is on the link
         # until then. Before it only the time bound applies (ssh's ConnectTimeout covers a link that never opens).
-        if pumps and pumps[0].count and any(p.is_alive() for p in pumps) and idle >= stall_timeout_s:
+        if pumps[0].read and any(p.is_alive() for p in pumps) and idle >= stall_timeout_s:
             outcome, why = "stalled", "no byte moved for %.1f s" % idle
             break
         if now >= deadline:
@@ -243,23 +288,42 @@ def run_once(stages: Sequence[Stage], number: int, stall_timeout_s: float, deadl
         pump.join(timeout=5)
     for i, proc in enumerate(procs):
         exits.setdefault(i, proc.returncode)
-    seconds = clock() - started
-    raw = pumps[0].count if pumps else 0
-    wire = pumps[-1].count if pumps else 0
-    if outcome == "ok" and (any(rc != 0 for rc in exits.values()) or any(p.broken for p in pumps)):
+    seconds = round(clock() - started, 3)
+    raw = pumps[0].read
+    source_exits = {i: rc for i, rc in exits.items() if i < first_sink}
+    # Sources that died because every sink had gone are victims, not a cause.
+    source_failed = any(rc != 0 for rc in source_exits.values()) and not all(fan.broken)
+    if outcome == "ok" and source_failed:
         outcome = "failed"
-    if outcome == "failed":
-        why = _failure(stages, exits, killed, [p.broken for p in pumps], [_tail(e) for e in errs])
-    elif outcome == "ok":
-        why = _tail(out)
-    for handle in (*errs, out):
+    source_why = _failure(sources, source_exits, killed, [p.broken[0] for p in pumps[:-1]],
+                          [_tail(e) for e in errs[:first_sink]]) if source_failed else ""
+    attempts = []
+    for j, sink in enumerate(sinks):
+        i = first_sink + j
+        if j in stalled:
+            attempt = Attempt(number, "stalled", seconds, raw, fan.counts[j], "no byte moved for %.1f s" % stalled[j])
+        elif outcome in ("stalled", "timed out"):
+            attempt = Attempt(number, outcome, seconds, raw, fan.counts[j], why)
+        elif source_failed:
+            attempt = Attempt(number, "failed", seconds, raw, fan.counts[j], source_why)
+        elif exits[i] != 0:
+            tail = _tail(errs[i])
+            attempt = Attempt(number, "failed", seconds, raw, fan.counts[j],
+                              "%s %s%s" % (sink.name, _exit_text(exits[i]), " (%s)" % tail if tail else ""))
+        elif fan.broken[j]:
+            attempt = Attempt(number, "failed", seconds, raw, fan.counts[j],
+                              "%s stopped reading before the end of the stream (it exited 0)" % sink.name)
+        else:
+            attempt = Attempt(number, "ok", seconds, raw, fan.counts[j], _tail(outs[j]))
+        attempts.append(attempt)
+    for handle in (*errs, *outs):
         handle.close()
-    return Attempt(number, outcome, round(seconds, 3), raw, wire, why)
+    return attempts
 
 
-def _failure(stages: Sequence[Stage], exits: dict[int, int], killed: Sequence[int], broken: Sequence[bool],
+def _failure(stages: Sequence[Stage], exits: Dict[int, int], killed: Sequence[int], broken: Sequence[bool],
              stderr: Sequence[str]) -> str:
-    """Why an attempt failed, naming the cause, not its victims: when stage k stopped reading, the stages
+    """Why the source stages failed, naming the cause, not its victims: when stage k stopped reading, the stages
     before it die of the broken pipe (SIGPIPE, "Broken pipe"), which says nothing about the cause."""
     first = max((i + 1 for i, b in enumerate(broken) if b), default=0)
     causes = ["%s %s%s" % (stages[i].name, _exit_text(rc), " (%s)" % stderr[i] if stderr[i] else "")
@@ -288,18 +352,24 @@ def _kill(procs: Sequence[subprocess.Popen]) -> List[int]:
     return killed
 
 
-def ship(stages: Sequence[Stage], policy: Policy, clock: Callable[[], float] = time.monotonic) -> ShipResult:
-    """Run the pipeline until one attempt succeeds, `policy.attempts` have failed, or `timeout_s` has passed."""
+def ship(sources: Sequence[Stage], sinks: Sequence[Stage], policy: Policy,
+         clock: Callable[[], float] = time.monotonic) -> List[ShipResult]:
+    """Stream the sources' output to every sink; sinks that did not get it whole go again together, until each
+    has succeeded, `policy.attempts` have run, or `timeout_s` has passed. One ShipResult per sink."""
     started = clock()
     deadline = started + policy.timeout_s
-    result = ShipResult()
+    results = [ShipResult() for sink in sinks]
+    pending = list(range(len(sinks)))
     for number in range(1, policy.attempts + 1):
-        attempt = run_once(stages, number, policy.stall_timeout_s, deadline, clock, policy.poll_s)
-        result.attempts.append(attempt)
-        if attempt.outcome in ("ok", "timed out") or clock() >= deadline:
+        attempts = run_once(sources, [sinks[i] for i in pending], number, policy.stall_timeout_s, deadline, clock,
+                            policy.poll_s)
+        for i, attempt in zip(pending, attempts):
+            results[i].attempts.append(attempt)
+            results[i].seconds = round(clock() - started, 3)
+        pending = [i for i in pending if results[i].attempts[-1].outcome != "ok"]
+        if not pending or any(a.outcome == "timed out" for a in attempts) or clock() >= deadline:
             break
-    result.seconds = round(clock() - started, 3)
-    return result
+    return results
 
 
 def report_line(worker: str, result: ShipResult) -> str:
@@ -313,7 +383,10 @@ def report_line(worker: str, result: ShipResult) -> str:
     return text + ("; " + "; ".join(earlier) if earlier else "")
 
 
-def failure_message(worker: str, result: ShipResult, settings_hint: str) -> str:
-    return ("Could not ship the engine image to %s: %s. docker image load tags nothing until the whole archive "
-            "has arrived, so the worker's old image is untouched. %s" % (
-                worker, "; ".join(a.describe() for a in result.attempts), settings_hint))
+def failure_message(failed: Sequence[Tuple[str, ShipResult]], settings_hint: str) -> str:
+    """One message for every worker that did not get the image, each with its attempts."""
+    each = "; to ".join("%s: %s" % (worker, "; ".join(a.describe() for a in result.attempts))
+                        for worker, result in failed)
+    whose = "the worker's" if len(failed) == 1 else "each of these workers'"
+    return ("Could not ship the engine image to %s. docker image load tags nothing until the whole archive has "
+            "arrived, so %s old image is untouched. %s" % (each, whose, settings_hint)).strip()
