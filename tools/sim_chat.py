@@ -1,8 +1,8 @@
 """Send one chat completion to the deployment described by an inventory and print the answer.
 
-    python tools/sim_chat.py --inventory inventory/sim [--check]
+    python tools/sim_chat.py --inventory inventory/sim [--head HOST] [--check]
 
-Reads the head's fabric address, API port, served model name and (optional) API key from the
+Reads the head's (the first host's, or --head's: a replica group's head) fabric address, API port, served model name and (optional) API key from the
 inventory the same way the playbooks do, then uses the openai client like any user would. With
 --check it exits non-zero unless /v1/models lists the served name and the answer has text.
 """
@@ -18,10 +18,10 @@ import yaml
 from openai import OpenAI
 
 
-def _settings(inventory: Path) -> dict[str, Any]:
+def _settings(inventory: Path, head_name: str | None = None) -> dict[str, Any]:
     hosts = yaml.safe_load((inventory / "hosts.yml").read_text())
     sparks = hosts["all"]["children"]["sparks"]["hosts"]
-    head = next(iter(sparks.values()))
+    head = sparks[head_name] if head_name else next(iter(sparks.values()))
     group_vars = inventory / "group_vars" / "sparks.yml"
     settings = yaml.safe_load(group_vars.read_text()) if group_vars.exists() else {}
     return {
@@ -33,12 +33,13 @@ def _settings(inventory: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inventory", type=Path, default=Path("inventory/sim"))
+    parser.add_argument("--head", help="the inventory host whose API to ask (default: the first host)")
     parser.add_argument("--prompt", default="Say hello to the two Sparks in one sentence.")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
 
-    s = _settings(args.inventory)
+    s = _settings(args.inventory, args.head)
     client = OpenAI(base_url=s["url"], api_key=os.environ.get("GLM53_API_KEY", "none"), timeout=300)
     models = [m.id for m in client.models.list()]
     reply = client.chat.completions.create(
