@@ -1,24 +1,24 @@
 # SPDX-License-Identifier: MIT
-"""Filters for vLLM's router in front of replica groups; documentation in group_api_urls.yml, router_argv.yml and
+"""Filters for vLLM's router in front of replica groups; documentation in api_url.yml, router_argv.yml and
 requests_in_flight.yml."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ansible.errors import AnsibleFilterError
 from ansible_collections.sparkops.glm53.plugins.module_utils.router import (
-    group_api_urls,
+    api_url,
     requests_in_flight,
     router_argv,
 )
 
 
-def _group_api_urls(heads: Sequence[Mapping[str, Any]], default_bind: str, default_port: Any) -> list[str]:
+def _api_url(bind: Any, fabric_ip: Any, port: Any) -> str:
     try:
-        return group_api_urls(list(heads), str(default_bind), default_port)
-    except (KeyError, ValueError) as exc:
-        raise AnsibleFilterError(f"group_api_urls: a group head lacks {exc}; run the glm53 settings role first") from exc
+        return api_url(str(bind), str(fabric_ip), port)
+    except ValueError as exc:
+        raise AnsibleFilterError(f"api_url: {exc}") from exc
 
 
 def _router_argv(settings: Mapping[str, Any]) -> list[str]:
@@ -37,5 +37,5 @@ def _requests_in_flight(metrics_text: str) -> int:
 
 class FilterModule:
     def filters(self) -> dict[str, Callable[..., Any]]:
-        return {"group_api_urls": _group_api_urls, "router_argv": _router_argv,
+        return {"api_url": _api_url, "router_argv": _router_argv,
                 "requests_in_flight": _requests_in_flight}

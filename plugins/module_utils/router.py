@@ -4,13 +4,12 @@
 how busy a group still is while it drains (docs/replica-groups.md).
 
 The router lists each group by its head's API URL. A group leaves the rotation by that URL (POST
-/remove_worker?url=), so the URL site.yml drains must be the same string the router was started with: both come
-from `api_url` on the head's own settings.
+/remove_worker?url=), so the URL site.yml drains must be the same string the router was started with: each group's
+play notes it once from its own settings (`api_url`, roles/glm53), and the router's list is those notes.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 ALL_ADDRESSES = ("", "0.0.0.0", "::")
 # vLLM's gauges of a group's requests: those being served and those queued.
@@ -22,12 +21,6 @@ def api_url(bind: str, fabric_ip: str, port: int | str) -> str:
     ip = fabric_ip if str(bind) in ALL_ADDRESSES else str(bind)
     host = f"[{ip}]" if ":" in ip else ip
     return f"http://{host}:{int(port)}"
-
-
-def group_api_urls(heads: Sequence[Mapping[str, Any]], default_bind: str, default_port: int | str) -> list[str]:
-    """Each group head's API URL, in group order; a head's own glm53_api_bind/glm53_port win (host_vars)."""
-    return [api_url(head.get("glm53_api_bind", default_bind), head["glm53_fabric_ip"],
-                    head.get("glm53_port", default_port)) for head in heads]
 
 
 def router_argv(*, bind: str, port: int, workers: Sequence[str], policy: str, health_interval: int,

@@ -10,7 +10,6 @@ import pytest
 import yaml
 from ansible_collections.sparkops.glm53.plugins.module_utils.router import (
     api_url,
-    group_api_urls,
     requests_in_flight,
     router_argv,
 )
@@ -33,12 +32,6 @@ def test_a_head_listening_on_every_address_is_reached_at_its_fabric_address() ->
 def test_a_head_bound_to_one_address_is_reached_there_and_ipv6_is_bracketed() -> None:
     assert api_url("192.168.1.11", "10.0.0.1", 8000) == "http://192.168.1.11:8000"
     assert api_url("fd00::11", "10.0.0.1", 8000) == "http://[fd00::11]:8000"
-
-
-def test_each_head_own_settings_win_over_the_defaults() -> None:
-    heads = [{"glm53_fabric_ip": "10.0.0.1"}, {"glm53_fabric_ip": "10.0.0.3", "glm53_port": 9000,
-                                               "glm53_api_bind": "192.168.1.13"}]
-    assert group_api_urls(heads, "0.0.0.0", 8000) == ["http://10.0.0.1:8000", "http://192.168.1.13:9000"]
 
 
 def settings(**changes: object) -> dict[str, object]:

@@ -21,6 +21,7 @@ from cryptography.x509.oid import NameOID
 REPO = Path(__file__).resolve().parents[4]
 ROLE_VARS = yaml.safe_load((REPO / "roles/edge/vars/main.yml").read_text())
 ENV = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+ENV.filters["bool"] = lambda value: str(value).lower() in ("true", "1", "yes")  # Ansible's, for these values
 KEYS = {"bob": "key-of-bob-000000002", "alice": "key-of-alice-0000001"}
 IMAGE = "glm53-sim/edge:latest"  # make images
 
@@ -34,7 +35,10 @@ def render(tls: bool, **changes: Any) -> str:
     settings: dict[str, Any] = {
         "glm53_max_num_seqs": 4, "glm53_edge_max_requests_per_key": 0, "glm53_edge_max_requests": 0,
         "glm53_edge_keys": KEYS, "glm53_edge_port": 8443, "glm53_edge_retry_after": 5, "glm53_api_key": "engine-key",
-        "glm53_port": 8888, "glm53_head_ip": "10.0.0.1", "glm53_api_bind": "", **changes}
+        "glm53_port": 8888, "glm53_head_ip": "10.0.0.1", "glm53_api_bind": "",
+        # Without replica groups the router is off; with it, as roles/glm53/vars/main.yml resolves its address.
+        "_glm53_router_on": False, "_edge_host": "spark1", "_glm53_router_host": "spark1", "glm53_router_port": 8100,
+        "_glm53_router_local_ip": "127.0.0.1", "_glm53_router_ip": "10.0.0.1", **changes}
     settings["_edge_api_ip"] = resolved("_edge_api_ip", settings)
     for name in ("_edge_upstream", "_edge_max_per_key", "_edge_max_all"):
         settings[name] = resolved(name, settings)
@@ -110,3 +114,11 @@ def test_nginx_accepts_both_renderings(tls: bool, tmp_path: Path) -> None:
     result = subprocess.run(["docker", "run", "--rm", "-v", f"{tmp_path}:{mount}:ro", IMAGE,
                              "nginx", "-t", "-c", f"{mount}/nginx.conf"], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(("edge_host", "upstream"), [("spark1", "127.0.0.1:8100"), ("spark3", "10.0.0.1:8100")])
+def test_in_front_of_replica_groups_the_upstream_is_the_router(edge_host: str, upstream: str) -> None:
+    conf = render(tls=False, _glm53_router_on=True, _edge_host=edge_host)
+    assert f"proxy_pass http://{upstream};" in conf and ":8888" not in conf
+    # The edge's /health answers while any group serves: the router's /readiness, not its all-groups /health.
+    assert re.search(r"location = /health \{\s*(#[^\n]*\s*)?proxy_pass http://%s/readiness;" % re.escape(upstream), conf)
