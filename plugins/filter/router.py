@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: MIT
-"""Filters for vLLM's router in front of replica groups; documentation in api_url.yml, router_argv.yml and
+"""Filters for vLLM's router in front of replica groups; documentation in api_url.yml, group_scrape_targets.yml, router_argv.yml and
 requests_in_flight.yml."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from ansible.errors import AnsibleFilterError
 from ansible_collections.sparkops.glm53.plugins.module_utils.router import (
     api_url,
+    group_scrape_targets,
     requests_in_flight,
     router_argv,
 )
@@ -19,6 +20,13 @@ def _api_url(bind: Any, fabric_ip: Any, port: Any) -> str:
         return api_url(str(bind), str(fabric_ip), port)
     except ValueError as exc:
         raise AnsibleFilterError(f"api_url: {exc}") from exc
+
+
+def _group_scrape_targets(urls: Any, names: Any) -> list[dict[str, object]]:
+    try:
+        return group_scrape_targets(list(urls), list(names))
+    except ValueError as exc:
+        raise AnsibleFilterError(f"group_scrape_targets: {exc}") from exc
 
 
 def _router_argv(settings: Mapping[str, Any]) -> list[str]:
@@ -37,5 +45,5 @@ def _requests_in_flight(metrics_text: str) -> int:
 
 class FilterModule:
     def filters(self) -> dict[str, Callable[..., Any]]:
-        return {"api_url": _api_url, "router_argv": _router_argv,
+        return {"api_url": _api_url, "group_scrape_targets": _group_scrape_targets, "router_argv": _router_argv,
                 "requests_in_flight": _requests_in_flight}

@@ -23,6 +23,13 @@ def api_url(bind: str, fabric_ip: str, port: int | str) -> str:
     return f"http://{host}:{int(port)}"
 
 
+def group_scrape_targets(urls: Sequence[str], names: Sequence[str]) -> list[dict[str, object]]:
+    """Prometheus file_sd targets for the groups' APIs (http://HOST:PORT), each labelled with its group's name."""
+    if len(urls) != len(names):
+        raise ValueError(f"{len(urls)} group APIs for {len(names)} group names")
+    return [{"targets": [url.removeprefix("http://")], "labels": {"group": name}} for url, name in zip(urls, names)]
+
+
 def router_argv(*, bind: str, port: int, workers: Sequence[str], policy: str, health_interval: int,
                 health_failures: int, metrics_port: int, api_key: str) -> list[str]:
     """vllm-router's command line. The router waits at start until every group answers /health (vllm-router

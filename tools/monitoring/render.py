@@ -23,6 +23,8 @@ EXAMPLE_CLUSTER: dict[str, Any] = {
     "_monitoring_vllm_target": "10.0.0.1:8888",
     # [node, rank, address] per node, as the role's vars/main.yml builds them.
     "_monitoring_targets": [["spark-head", 0, "10.0.0.1"], ["spark-worker", 1, "10.0.0.2"]],
+    # The first replica group's stack behind vLLM's router: it also scrapes the router and every group.
+    "_monitoring_front": True,
 }
 
 

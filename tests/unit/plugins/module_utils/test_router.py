@@ -10,6 +10,7 @@ import pytest
 import yaml
 from ansible_collections.sparkops.glm53.plugins.module_utils.router import (
     api_url,
+    group_scrape_targets,
     requests_in_flight,
     router_argv,
 )
@@ -97,3 +98,11 @@ def test_the_router_pin_is_the_same_everywhere() -> None:
     }
     assert all(len(found) == 1 for found in pins.values()), pins
     assert len({found[0] for found in pins.values()}) == 1, pins
+
+
+def test_each_group_is_a_scrape_target_labelled_with_its_name() -> None:
+    assert group_scrape_targets(["http://10.0.0.1:8888", "http://[fd00::3]:8888"], ["a", "b"]) == [
+        {"targets": ["10.0.0.1:8888"], "labels": {"group": "a"}},
+        {"targets": ["[fd00::3]:8888"], "labels": {"group": "b"}}]
+    with pytest.raises(ValueError, match="2 group APIs for 1 group names"):
+        group_scrape_targets(["http://10.0.0.1:8888", "http://10.0.0.3:8888"], ["a"])

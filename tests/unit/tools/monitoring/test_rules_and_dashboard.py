@@ -73,6 +73,13 @@ def test_promtool_tests_read_the_rendered_rule_files(rendered):
             assert "rules/" + Path(rule_file).name in rendered, f"{path.name} reads {rule_file}, which nothing renders"
 
 
+def _router_metric_names() -> set[str]:
+    """Every vllm_router_* metric the installed vllm-router (0.1.17, the engine image's pin) names in its binary."""
+    root = Path(importlib.util.find_spec("vllm_router").submodule_search_locations[0]).parent
+    binary = next(root.glob("vllm_router_rs*.so")).read_bytes()
+    return {name.decode() for name in re.findall(rb"vllm_router_[a-z_]+[a-z]", binary)}
+
+
 def test_rules_read_only_metrics_that_vllm_and_the_collector_export(rendered):
     recorded = {rule["record"] for rule in _rules(rendered) if "record" in rule}
     known = _vllm_metric_names() | set(collector.METRICS) | recorded | PROMETHEUS_BUILTIN
@@ -82,7 +89,8 @@ def test_rules_read_only_metrics_that_vllm_and_the_collector_export(rendered):
 
 def test_every_dashboard_query_names_a_metric_the_exporters_or_rules_produce(rendered):
     recorded = {rule["record"] for rule in _rules(rendered) if "record" in rule}
-    produced = _vllm_metric_names() | set(collector.METRICS) | recorded | PROMETHEUS_BUILTIN | NODE_EXPORTER
+    produced = (_vllm_metric_names() | _router_metric_names() | set(collector.METRICS) | recorded | PROMETHEUS_BUILTIN
+                | NODE_EXPORTER)
     assert missing_metrics(DASHBOARD, produced) == {}
     # And it draws what the issue asks for.
     used = dashboard_metrics(DASHBOARD)
@@ -117,3 +125,17 @@ def test_prometheus_config_scrapes_the_engine_and_every_node(rendered):
     node_targets = [c["targets"][0] for c in jobs["glm53-node"]["static_configs"]]
     assert node_targets == ["10.0.0.1:9100", "10.0.0.2:9100"]
     assert config["global"]["scrape_interval"] == f"{monitoring_defaults()['glm53_monitoring_scrape_interval']}s"
+
+
+def test_the_first_replica_groups_stack_scrapes_the_router_and_every_group(rendered):
+    jobs = {job["job_name"]: job for job in rendered["prometheus.yml"]["scrape_configs"]}
+    assert jobs["glm53-router"]["file_sd_configs"] == [{"files": ["/etc/prometheus/targets/router.json"]}]
+    assert jobs["glm53-groups"]["file_sd_configs"] == [{"files": ["/etc/prometheus/targets/groups.json"]}]
+    # Only `up` of the groups is kept: the engine sums stay this group's (glm53-vllm).
+    assert jobs["glm53-groups"]["metric_relabel_configs"] == [
+        {"source_labels": ["__name__"], "regex": ".+", "action": "drop"}]
+    # The router counts each group's requests; vllm_router_worker_health is declared, but 0.1.17 never sets it.
+    assert "vllm_router_processed_requests_total" in _router_metric_names()
+    without = yaml.safe_load(render_all({**monitoring_defaults(), **EXAMPLE_CLUSTER, "_monitoring_front": False})
+                             ["prometheus.yml"])
+    assert not {"glm53-router", "glm53-groups"} & {job["job_name"] for job in without["scrape_configs"]}
