@@ -3,7 +3,7 @@ or --seconds pass: the client that a rolling restart or a killed replica group m
 (molecule/four_nodes/verify_replicas.yml), or that measures an endpoint's throughput.
 
     python tools/client_loop.py --url http://172.31.253.10:8100/v1 --model GLM-5.3-Flash-EXL3 \\
-        --stop-file /tmp/stop --out /tmp/loop.json [--concurrency 2] [--seconds 600]
+        --stop-file /tmp/stop --out /tmp/loop.json [--concurrency 2] [--pause 0.5] [--seconds 600]
 
 Each request's prompt starts with its own number, so no two share a prefix and a prefix-cache-aware router spreads
 them by load. The openai client does not retry: a failed request is recorded, with its error. --out gets one JSON
@@ -34,9 +34,9 @@ class Record:
     error: str
 
 
-def run(client: OpenAI, model: str, max_tokens: int, stop: threading.Event, records: list[Record],
+def run(client: OpenAI, model: str, max_tokens: int, pause: float, stop: threading.Event, records: list[Record],
         counter: Iterator[int], lock: threading.Lock) -> None:
-    while not stop.is_set():
+    while not stop.wait(pause):
         with lock:
             number = next(counter)
         start = time.time()
@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=600.0, help="stop after this long at the latest")
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--pause", type=float, default=0.0,
+                        help="seconds each client waits before each request (leaves CPU to what is being tested)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     args = parser.parse_args(argv)
 
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     stop, lock = threading.Event(), threading.Lock()
     records: list[Record] = []
     counter = iter(range(sys.maxsize))
-    threads = [threading.Thread(target=run, args=(client, args.model, args.max_tokens, stop, records, counter, lock))
+    threads = [threading.Thread(target=run, args=(client, args.model, args.max_tokens, args.pause, stop, records, counter,
+                                                     lock))
                for _ in range(args.concurrency)]
     began = time.time()
     for thread in threads:
