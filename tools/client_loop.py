@@ -76,9 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     stop, lock = threading.Event(), threading.Lock()
     records: list[Record] = []
     counter = iter(range(sys.maxsize))
-    threads = [threading.Thread(target=run, args=(client, args.model, args.max_tokens, args.pause, stop, records, counter,
-                                                     lock))
-               for _ in range(args.concurrency)]
+    work = (client, args.model, args.max_tokens, args.pause, stop, records, counter, lock)
+    threads = [threading.Thread(target=run, args=work) for _client in range(args.concurrency)]
     began = time.time()
     for thread in threads:
         thread.start()
