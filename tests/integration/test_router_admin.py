@@ -40,7 +40,7 @@ class Health(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def groups() -> Iterator[list[Group]]:
-    servers = [Group(("127.0.0.1", free_port()), Health) for _ in range(2)]
+    servers = [Group(("127.0.0.1", free_port()), Health) for _index in range(2)]
     for server in servers:
         threading.Thread(target=server.serve_forever, daemon=True).start()
     yield servers
@@ -66,7 +66,7 @@ def router(groups: list[Group]) -> Iterator[str]:
     proc = subprocess.Popen(["vllm-router", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     base = "http://127.0.0.1:%d" % port
     try:
-        for _ in range(100):
+        for _attempt in range(100):
             try:
                 if call(base, "/health") == "All servers healthy":
                     break
