@@ -74,27 +74,23 @@ def test_a_playbook_that_takes_the_sparks_as_one_group_refuses_replica_groups(
             "group; it does not handle replica groups yet (docs/replica-groups.md). Nothing was changed.") in out, out
 
 
-def test_the_edge_without_the_router_is_refused_with_replica_groups(check_run: CheckRun) -> None:
-    rc, out = play(check_run, "site.yml", pair("a", "b"), "-e", "glm53_edge=true")
+@pytest.mark.parametrize(("groups", "extra", "message"), [
+    (("a", "b"), ["-e", "glm53_edge=true"],
+     "glm53_edge: in front of replica groups the edge fronts vLLM's router; turn glm53_router on too "
+     "(docs/replica-groups.md), or the edge off. Nothing was changed."),
+    (("", ""), ["-e", "glm53_router=true"],
+     "glm53_router: vLLM's router fronts replica groups (glm53_replica_group on every Spark); one group has "
+     "one API, its head's."),
+    (("a", "b"), ["-e", "glm53_router=true", "-e", "glm53_router_host=gateway"],
+     "glm53_router_host (gateway) must be one of the Sparks (spark-head, spark-worker): the router runs from "
+     "the engine image they hold."),
+], ids=["edge-without-router", "router-without-groups", "router-host-not-a-spark"])
+def test_a_front_that_cannot_work_is_refused_before_the_lock(
+        check_run: CheckRun, groups: tuple[str, str], extra: list[str], message: str) -> None:
+    rc, out = play(check_run, "site.yml", pair(*groups), *extra)
     assert rc == 2, out
-    assert ("glm53_edge: in front of replica groups the edge fronts vLLM's router; turn glm53_router on too "
-            "(docs/replica-groups.md), or the edge off. Nothing was changed.") in out, out
+    assert message in out, out
     assert "Take the run lock" not in out, out
-
-
-def test_the_router_without_replica_groups_is_refused(check_run: CheckRun) -> None:
-    rc, out = play(check_run, "site.yml", pair("", ""), "-e", "glm53_router=true")
-    assert rc == 2, out
-    assert ("glm53_router: vLLM's router fronts replica groups (glm53_replica_group on every Spark); one group has "
-            "one API, its head's.") in out, out
-    assert "Take the run lock" not in out, out
-
-
-def test_a_router_host_that_is_not_a_spark_is_refused(check_run: CheckRun) -> None:
-    rc, out = play(check_run, "site.yml", pair("a", "b"), "-e", "glm53_router=true", "-e", "glm53_router_host=gateway")
-    assert rc == 2, out
-    assert ("glm53_router_host (gateway) must be one of the Sparks (spark-head, spark-worker): the router runs from "
-            "the engine image they hold.") in out, out
 
 
 def test_the_router_and_the_edge_get_a_play_after_every_group(check_run: CheckRun) -> None:
