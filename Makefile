@@ -100,9 +100,7 @@ demo-down: venv
 test: host venv
 	tools/test-tiers.sh
 
-# Under `make -j2` (tools/test-tiers.sh) the unit tests, the longest of the three (about 6 min with coverage in CI),
-# start first, beside lint and then sanity: listed last, they started only when lint or sanity had ended.
-check: unit lint sanity
+check: lint sanity unit
 
 # Rewrite defaults, the example inventory and docs/settings.md from roles/glm53/meta/argument_specs.yml.
 settings: venv
@@ -138,9 +136,7 @@ sanity: venv
 # (docs/testing.md, "Coverage").
 COVERAGE = COVERAGE_RCFILE=$(CURDIR)/.coveragerc COVERAGE_FILE=$(CURDIR)/build/coverage/.coverage $(BIN)/python -m coverage
 COVERAGE_SOURCE = $(CURDIR)/plugins,$(CURDIR)/roles,$(CURDIR)/overlay/src
-unit: venv
-	@# Not a prerequisite: under `make -j2 check` one would hold unit back until it ended, and the slot went to sanity.
-	$(MAKE) --no-print-directory monitoring-rules
+unit: venv monitoring-rules
 	rm -rf build/coverage && mkdir -p build/coverage
 	$(COVERAGE) run --source=$(COVERAGE_SOURCE) -m pytest -q -ra tests/unit tests/integration
 	cd overlay && $(COVERAGE) run --source=$(COVERAGE_SOURCE) -m pytest -q -ra tests

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make test`: every tier, ordered to fail fast and overlapped where two cores have room.
 #
-#   stage 1   check (unit, lint, sanity, two at a time)   while  images (debootstrap, docker builds: mostly I/O),
+#   stage 1   check (lint, sanity, unit, two at a time)   while  images (debootstrap, docker builds: mostly I/O),
 #                                                                then the simulated cluster's create (node
 #                                                                containers, the base image pushed to the simulated
 #                                                                registry)
@@ -90,7 +90,7 @@ t0=$(stamp)
 trap 'kill $(jobs -p) 2>/dev/null' EXIT
 
 bg_tier sim-create  # images, then the simulated cluster made from them
-# unit beside lint, then sanity, two at a time (each is mostly one process), each one's output shown whole when it ends.
+# lint, sanity and unit two at a time (each is mostly one process), each one's output shown whole when it ends.
 fg_tier check -j2 --output-sync=target
 bg_wait sim-create
 [ ${#failed[@]} -eq 0 ] || report
