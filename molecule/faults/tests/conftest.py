@@ -119,7 +119,7 @@ class Sim:
             ANSIBLE_NOCOLOR="1",
             ANSIBLE_FORCE_COLOR="0",
             # A timestamp and duration for every task: the evidence for "how fast".
-            ANSIBLE_CALLBACKS_ENABLED="ansible.posix.profile_tasks",
+            ANSIBLE_CALLBACKS_ENABLED="ansible.posix.profile_tasks,sparkops.glm53.module_cache",
             PATH="%s%s%s" % (Path(sys.executable).parent, os.pathsep, env.get("PATH", "")),
         )
         return env
