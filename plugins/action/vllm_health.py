@@ -4,7 +4,7 @@
 head container) while the launch takes up to an hour."""
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from ansible_collections.sparkops.glm53.plugins.plugin_utils.progress_action import ProgressActionBase
 
@@ -23,6 +23,15 @@ class ActionModule(ProgressActionBase):
 
     def progress_line(self, record: Dict[str, Any], host: str) -> str:
         return progress_line(record, host)
+
+    # An engine that already serves (a re-run that restarts nothing) is asked in the foreground: one module run
+    # instead of a background job, its status polls and its cleanup. One that does not serve yet is waited for
+    # in the background as before.
+    def foreground_args(self, args: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        return dict(args, wait=False)
+
+    def foreground_done(self, result: Dict[str, Any]) -> bool:
+        return bool(result.get("ready"))
 
     def time_limit(self, args: Dict[str, Any]) -> float:
         return float(args.get("timeout", 3600)) + float(args.get("request_timeout", 600)) * (

@@ -366,6 +366,8 @@ class HealthConfig:
     not_running_polls: int = 3
     request_timeout: float = 600.0
     command_timeout: float = 30.0
+    # False: one look; an API not serving yet (and no rank dead) ends the run unfailed, with ready false.
+    wait: bool = True
 
 
 @dataclass
@@ -507,6 +509,11 @@ class HealthWaiter:
                 return self.fail(check.reason, models=check.models), []
             if check and check.ready:
                 return None, check.models
+            if not self.cfg.wait:
+                result = self.base_result()
+                result.update({"ready": False, "api": self.last_api})
+                return HealthOutcome(False, "vLLM does not serve yet (phase %s); not waited for" % self.phase,
+                                     result), []
             self.report()
             if self.io.clock() - self.start >= self.cfg.timeout:
                 tail = split_log_lines(self.logs(self.head(), self.cfg.log_tail)) if self.cfg.ranks else []

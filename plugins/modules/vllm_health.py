@@ -101,6 +101,15 @@ options:
     description: Chat requests sent (and not judged) before the canary.
     type: int
     default: 1
+  wait:
+    description:
+      - Whether to wait for the API. With V(false) the module looks once; when the API serves, it warms up and
+        asks the canary as usual, and when it does not serve yet (and no rank has died), it returns
+        RV(ready=false) without failing.
+      - The action plugin makes such a look in the foreground first, so that a run whose engine already serves
+        is not a background job with its status polls.
+    type: bool
+    default: true
   progress_file:
     description:
       - Path on the head where a JSON record C({elapsed_s, phase, last_log_line, polls, timeout_s}) is
@@ -312,6 +321,7 @@ def main() -> None:
             canary=dict(type="dict", default={}, options=CANARY_OPTIONS),
             warmup_requests=dict(type="int", default=1),
             progress_file=dict(type="path"),
+            wait=dict(type="bool", default=True),
         ),
         supports_check_mode=True,
     )
@@ -333,6 +343,7 @@ def main() -> None:
         warmup_requests=p["warmup_requests"],
         not_running_polls=p["not_running_polls"],
         request_timeout=p["request_timeout"],
+        wait=p["wait"],
     )
     progress = progress_file_writer(p["progress_file"]) if p["progress_file"] else None
     waiter = HealthWaiter(config, HealthIO(run=subprocess_runner, http=urllib_http, progress=progress))

@@ -335,6 +335,27 @@ def test_probe_reports_without_failing() -> None:
     assert result["ready"] is True and result["models"] == [MODEL] and result["polls"] == 1
 
 
+def test_one_look_without_waiting_asks_the_canary_only_of_a_serving_engine_and_fails_only_for_a_dead_rank() -> None:
+    ranks = {"glm53-rank0": ["running 0"], "glm53-rank1": ["running 0"]}
+    io = ScriptedIO(dict(ranks), [503])
+    outcome = h.HealthWaiter(config(wait=False), io.io()).run()
+    assert not outcome.failed and outcome.result["ready"] is False, outcome.msg
+    assert outcome.result["polls"] == 1 and io.now == 0 and "not waited for" in outcome.msg
+    assert not any(c.startswith("POST") for c in io.calls)
+
+    io = ScriptedIO(dict(ranks), [200])
+    outcome = h.HealthWaiter(config(wait=False), io.io()).run()
+    assert not outcome.failed and outcome.result["ready"] is True and outcome.result["canary_text"] == "Paris."
+    assert sum(c.startswith("POST") for c in io.calls) == 3  # two warm-ups and the canary, as when waiting
+
+    io = ScriptedIO(dict(ranks), [200], chat=(200, chat_body("")))
+    assert h.HealthWaiter(config(wait=False), io.io()).run().failed
+
+    io = ScriptedIO({"glm53-rank0": ["running 0"], "glm53-rank1": ["exited 139"]}, [503])
+    outcome = h.HealthWaiter(config(wait=False), io.io()).run()
+    assert outcome.failed and outcome.result["failed_rank"] == 1
+
+
 def test_progress_file_writer_replaces_atomically(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     write = h.progress_file_writer(str(path))
@@ -558,3 +579,23 @@ def test_action_plugin_runs_module_in_background_and_returns_its_failure(
     assert '"failed_rank": 1' in proc.stdout and '"failed_node": "spark2"' in proc.stdout
     assert "ncclCommInitRank failed" in proc.stdout and "sk-test" not in proc.stdout
     assert os.listdir(tmp_path / "async") == []  # job file cleaned up
+
+
+def test_action_plugin_asks_a_serving_engine_in_the_foreground_without_a_background_job(
+        fake_vllm: str, fake_docker: Path, tmp_path: Path) -> None:
+    FakeVllm.health_503 = 0
+    for rank in (0, 1):
+        (fake_docker / ("glm53-rank%d.states" % rank)).write_text("running 0\n")
+    play = tmp_path / "play.yml"
+    play.write_text(PLAY.format(url=fake_vllm))
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(REPO / ".collections"),
+               ANSIBLE_ASYNC_DIR=str(tmp_path / "async"),
+               ANSIBLE_LOCAL_TEMP=str(tmp_path / "local"), ANSIBLE_REMOTE_TMP=str(tmp_path / "remote"),
+               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.default", ANSIBLE_NOCOLOR="1", ANSIBLE_CALLBACK_RESULT_FORMAT="json")
+    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                           "-e", "ansible_python_interpreter=%s" % sys.executable, "-v", str(play)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert '"ready": true' in proc.stdout and '"canary_text": "Paris is the capital of France."' in proc.stdout
+    assert "ansible_job_id" not in proc.stdout
+    assert not (tmp_path / "async").exists(), "a background job was started for an engine that already served"
