@@ -23,6 +23,9 @@ description:
   - When a payload is found stale, the run gets a new directory holding the payloads still valid (hard links),
     so that a run already using the old one never loses a file under it. Directories unused for a day are
     removed.
+  - The payloads are pickles, which run code when loaded, so the directory must belong to the user running
+    Ansible and be writable by nobody else (it is made with mode 0700); otherwise, or on any error, the run
+    warns and builds its payloads as it would without this callback.
   - On an ansible-core whose payload cache it does not recognise, it does nothing and says so at C(-vvv).
 version_added: 0.1.0
 requirements:
@@ -145,7 +148,10 @@ def current_dir(root: str, collection_path: Callable[[str], Optional[str]],
 
     ROOT/current names the generation in use; a stale payload moves the run to a new generation holding the
     valid ones (hard links): a run that still uses the old generation keeps every file it may open."""
-    os.makedirs(root, exist_ok=True)
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    unsafe = unsafe_dir(root)
+    if unsafe:
+        raise PermissionError(unsafe)
     pointer = os.path.join(root, "current")
     try:
         generation = os.path.join(root, os.readlink(pointer))
@@ -156,13 +162,26 @@ def current_dir(root: str, collection_path: Callable[[str], Optional[str]],
         os.utime(generation)
         return generation, {}
     fresh = os.path.join(root, "g%d-%d" % (time.time_ns(), os.getpid()))
-    os.makedirs(fresh)
+    os.makedirs(fresh, mode=0o700)
     for name in valid:
-        os.link(os.path.join(generation, name), os.path.join(fresh, name))
+        try:
+            os.link(os.path.join(generation, name), os.path.join(fresh, name))
+        except OSError:  # a filesystem without hard links: a copy is as good
+            shutil.copy2(os.path.join(generation, name), os.path.join(fresh, name))
     link = "%s.%d" % (pointer, os.getpid())
     os.symlink(os.path.basename(fresh), link)
     os.replace(link, pointer)
     return fresh, stale
+
+
+def unsafe_dir(path: str) -> Optional[str]:
+    """Why PATH may not hold payloads this user loads (they are pickles: loading one runs code), or None."""
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        return "%s belongs to uid %d, not to this user (uid %d)" % (path, st.st_uid, os.getuid())
+    if st.st_mode & 0o022:
+        return "%s can be written by others (mode %o)" % (path, st.st_mode & 0o777)
+    return None
 
 
 def prune(root: str, keep: str, now: float) -> None:
@@ -199,8 +218,12 @@ class CallbackModule(CallbackBase):
             self._display.vvv("module_cache: this ansible-core's payload cache is not one it knows; not used")
             return
         root = version_dir(os.path.expanduser(self.get_option("cache_dir")))
-        directory, stale = current_dir(root, _collection_path, _load_zip_data)
-        for name, member in stale.items():
-            self._display.vvv("module_cache: %s built again (%s differs from the disk)" % (name, member))
-        os.symlink(directory, run_cache)
-        prune(root, directory, time.time())
+        # A cache must never fail a run: on any error the run builds its payloads as without this callback.
+        try:
+            directory, stale = current_dir(root, _collection_path, _load_zip_data)
+            for name, member in stale.items():
+                self._display.vvv("module_cache: %s built again (%s differs from the disk)" % (name, member))
+            os.symlink(directory, run_cache)
+            prune(root, directory, time.time())
+        except Exception as ex:  # pylint: disable=broad-except
+            self._display.warning("module_cache: not used in this run: %s" % ex)

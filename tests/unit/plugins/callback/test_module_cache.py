@@ -117,7 +117,7 @@ def test_a_run_reuses_the_payload_and_never_runs_a_module_utils_file_edited_sinc
                                str(tmp_path / "play.yml")], capture_output=True, text=True, env=env, cwd=tmp_path,
                               timeout=180, check=False)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return done.stdout
+        return done.stdout + done.stderr
 
     def built(out: str) -> bool:
         return "ANSIBALLZ: Creating module" in out
@@ -131,3 +131,11 @@ def test_a_run_reuses_the_payload_and_never_runs_a_module_utils_file_edited_sinc
     assert "answer=edited" in third and built(third), "a payload built from the old module_utils file ran"
     assert "tmpns.probe.plugins.modules.answer-ZIP_DEFLATED-none built again " \
            "(ansible_collections/tmpns/probe/plugins/module_utils/value.py differs from the disk)" in third
+
+    # Payloads are pickles: a directory others can write is not loaded from, and the run goes on without it.
+    (version,) = (tmp_path / "cache").iterdir()
+    version.chmod(0o777)
+    fourth = run()
+    assert "answer=edited" in fourth and built(fourth)
+    assert "module_cache: not used in this run: %s can be written by others (mode 777)" % version \
+        in " ".join(fourth.split())
