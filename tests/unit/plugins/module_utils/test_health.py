@@ -561,20 +561,25 @@ def test_progress_line_format() -> None:
     assert progress_line({}, "s1") == "vllm_health [s1]    0s ?"
 
 
+def run_play(url: str, tmp_path: Path, *options: str) -> "subprocess.CompletedProcess[str]":
+    """PLAY against URL through the action plugin, as ansible-playbook runs it (async jobs in tmp_path/async)."""
+    play = tmp_path / "play.yml"
+    play.write_text(PLAY.format(url=url))
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(REPO / ".collections"),
+               ANSIBLE_ASYNC_DIR=str(tmp_path / "async"),
+               ANSIBLE_LOCAL_TEMP=str(tmp_path / "local"), ANSIBLE_REMOTE_TMP=str(tmp_path / "remote"),
+               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.default", ANSIBLE_NOCOLOR="1", ANSIBLE_CALLBACK_RESULT_FORMAT="json")
+    return subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
+                           "-e", "ansible_python_interpreter=%s" % sys.executable, *options, str(play)],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+
+
 def test_action_plugin_runs_module_in_background_and_returns_its_failure(
         fake_vllm: str, fake_docker: Path, tmp_path: Path) -> None:
     FakeVllm.health_503 = 10_000
     (fake_docker / "glm53-rank0.states").write_text("running 0\n")
     (fake_docker / "glm53-rank1.states").write_text("running 0\nexited 139\n")
-    play = tmp_path / "play.yml"
-    play.write_text(PLAY.format(url=fake_vllm))
-    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(REPO / ".collections"),
-               ANSIBLE_ASYNC_DIR=str(tmp_path / "async"),
-               ANSIBLE_LOCAL_TEMP=str(tmp_path / "local"), ANSIBLE_REMOTE_TMP=str(tmp_path / "remote"),
-               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.default", ANSIBLE_NOCOLOR="1", ANSIBLE_CALLBACK_RESULT_FORMAT="json")
-    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
-                           "-e", "ansible_python_interpreter=%s" % sys.executable, str(play)],
-                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    proc = run_play(fake_vllm, tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert '"failed_rank": 1' in proc.stdout and '"failed_node": "spark2"' in proc.stdout
     assert "ncclCommInitRank failed" in proc.stdout and "sk-test" not in proc.stdout
@@ -586,15 +591,7 @@ def test_action_plugin_asks_a_serving_engine_in_the_foreground_without_a_backgro
     FakeVllm.health_503 = 0
     for rank in (0, 1):
         (fake_docker / ("glm53-rank%d.states" % rank)).write_text("running 0\n")
-    play = tmp_path / "play.yml"
-    play.write_text(PLAY.format(url=fake_vllm))
-    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(REPO / ".collections"),
-               ANSIBLE_ASYNC_DIR=str(tmp_path / "async"),
-               ANSIBLE_LOCAL_TEMP=str(tmp_path / "local"), ANSIBLE_REMOTE_TMP=str(tmp_path / "remote"),
-               ANSIBLE_STDOUT_CALLBACK="ansible.builtin.default", ANSIBLE_NOCOLOR="1", ANSIBLE_CALLBACK_RESULT_FORMAT="json")
-    proc = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", "-c", "local",
-                           "-e", "ansible_python_interpreter=%s" % sys.executable, "-v", str(play)],
-                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    proc = run_play(fake_vllm, tmp_path, "-v")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert '"ready": true' in proc.stdout and '"canary_text": "Paris is the capital of France."' in proc.stdout
     assert "ansible_job_id" not in proc.stdout
