@@ -99,7 +99,11 @@ report() {
 t0=$(stamp)
 # Each background tier in its own process group; on exit, every group still running is ended.
 set -m
-trap 'for pid in $(jobs -p); do kill -TERM -- "-$pid" 2>/dev/null; done' EXIT
+stop_all() {
+  local pid
+  for pid in $(jobs -p); do kill -TERM -- "-$pid" 2>/dev/null; done
+}
+trap stop_all EXIT
 
 bg_tier sim-create  # images, then the simulated cluster made from them
 # lint, sanity and unit two at a time (each is mostly one process), each one's output shown whole when it ends.
