@@ -18,9 +18,9 @@
 # (check 7 min 41 s against 6 min 28 s, 2026-12-05). Once the cluster exists, check runs alone on about one core
 # for four of its nine minutes (56 % busy, round 24): molecule default starts then instead of after check.
 #
-# The fast tier still fails the run first: a broken unit test stops the run when check ends, and molecule default,
-# if it started beside it, is stopped then (the images and cluster are kept for the next run; `make
-# molecule-default` recreates the cluster). A tier that runs beside another writes .cache/tiers/NAME.log, which is
+# The fast tier still fails the run first: a broken unit test stops the run when check ends, and whichever of
+# sim-create and molecule default runs beside it then is stopped (the images and cluster are kept for the next run;
+# `make molecule-default` recreates the cluster). A tier that runs beside another writes .cache/tiers/NAME.log, which is
 # shown whole when it ends, so a failure reads as it would alone. The last lines are each tier's time.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -108,13 +108,18 @@ trap stop_all EXIT
 bg_tier sim-create  # images, then the simulated cluster made from them
 # lint, sanity and unit two at a time (each is mostly one process), each one's output shown whole when it ends.
 bg_tier check normal -j2 --output-sync=target
-if bg_wait sim-create; then
+until [ -e "$logs/sim-create.ended" ] || [ -e "$logs/check.ended" ]; do sleep 1; done
+if [ -e "$logs/check.ended" ]; then
+  # check ended first: a failure stops the run now, the cluster's making with it.
+  bg_wait check || { bg_stop sim-create; report; }
+  bg_wait sim-create || report
+  fg_tier molecule-default-created || report
+else
+  # The cluster exists: molecule default runs beside the rest of check, which stops it if it fails.
+  bg_wait sim-create || { bg_wait check; report; }
   bg_tier molecule-default-created
   bg_wait check || { bg_stop molecule-default-created; report; }
   bg_wait molecule-default-created || report
-else
-  bg_wait check
-  report
 fi
 
 bg_tier engine idle
