@@ -74,7 +74,7 @@ def alive(children: Path) -> List[int]:
 
 
 def test_molecule_default_starts_once_the_cluster_exists_beside_the_rest_of_check(tmp_path: Path) -> None:
-    done, order, children = run_tiers(tmp_path, {"sim-create": (0.5, 0), "check": (2.5, 0),
+    done, order, children = run_tiers(tmp_path, {"sim-create": (0.5, 0), "check": (4.0, 0),
                                                  "molecule-default-created": (0.5, 0)})
     assert done.returncode == 0, done.stdout + done.stderr
     # sim-create and check start together (in either order), molecule default third.
