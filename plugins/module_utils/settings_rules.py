@@ -314,8 +314,25 @@ def settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str,
             shown = "not shown, a secret" if entry.get("no_log") else repr(settings[name])
             errors.append(f"{name} must be {allowed} (got {shown})")
     refused = {_subject(message) for message in errors}
-    return errors + [message for message in [*also, *edge_errors(settings), *router_errors(settings)]
+    return errors + [message for message in
+                     [*also, *edge_errors(settings), *router_errors(settings), *ablation_errors(settings)]
                      if _subject(message) not in refused]
+
+
+def ablation_errors(settings: Mapping[str, Any]) -> list[str]:
+    """What each ablation method needs, refused before any rank stops: without it the overlay refuses to load in
+    the new ranks, after the old ones were stopped."""
+    try:
+        enabled = as_bool(settings.get("glm53_ablation_enabled", False))
+    except (TypeError, ValueError):
+        return []
+    method = settings.get("glm53_ablation_method", "proj")
+    needs = {"proj": ("glm53_ablation_direction", "the path on the controller of the direction file"),
+             "transplant": ("glm53_ablation_donor_dir", "the path on every node of the donor directory")}
+    if not enabled or method not in needs or settings.get(needs[method][0]):
+        return []
+    name, what = needs[method]
+    return [f"{name} must be set when glm53_ablation_enabled is true and glm53_ablation_method is {method} ({what})"]
 
 
 def router_errors(settings: Mapping[str, Any]) -> list[str]:

@@ -198,6 +198,27 @@ def test_an_edge_with_keys_and_derived_limits_passes() -> None:
 
 
 @pytest.mark.parametrize(("changes", "expected"), [
+    ({"glm53_ablation_enabled": True},
+     "glm53_ablation_direction must be set when glm53_ablation_enabled is true and glm53_ablation_method is proj"
+     " (the path on the controller of the direction file)"),
+    ({"glm53_ablation_enabled": "true", "glm53_ablation_method": "transplant", "glm53_ablation_direction": "/d.pt"},
+     "glm53_ablation_donor_dir must be set when glm53_ablation_enabled is true and glm53_ablation_method is"
+     " transplant (the path on every node of the donor directory)"),
+])
+def test_an_ablation_method_without_its_input_is_refused(changes: dict[str, Any], expected: str) -> None:
+    assert errors_for(**changes) == [expected]
+
+
+@pytest.mark.parametrize("changes", [
+    {"glm53_ablation_enabled": True, "glm53_ablation_direction": "/home/me/direction.pt"},
+    {"glm53_ablation_enabled": True, "glm53_ablation_method": "transplant", "glm53_ablation_donor_dir": "/donor"},
+    {"glm53_ablation_enabled": False, "glm53_ablation_method": "transplant"},
+])
+def test_an_ablation_with_its_input_or_turned_off_passes(changes: dict[str, Any]) -> None:
+    assert errors_for(**changes) == []
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
     ({"glm53_router_port": 8888}, "glm53_router_port (8888) must differ from glm53_port"),
     ({"glm53_router_port": 8443}, "glm53_router_port (8443) must differ from glm53_edge_port"),
     ({"glm53_router_port": 29100}, "glm53_router_port (29100) must differ from glm53_router_metrics_port"),
