@@ -128,7 +128,7 @@ def test_the_supervisors_defaults_are_what_install_yml_writes_from_the_spec() ->
 
 
 def test_a_failed_launch_and_a_recovery_tear_down_with_the_same_grace() -> None:
-    stop = _task("roles/health/tasks/main.yml", "Stop every rank after a failed launch")
+    stop = _task("roles/health/tasks/failed.yml", "Stop every rank after a failed launch")
     assert int(_render_with_defaults(stop["community.docker.docker_container"]["stop_timeout"])) == \
         self_heal.Policy().teardown_s
 
@@ -136,6 +136,6 @@ def test_a_failed_launch_and_a_recovery_tear_down_with_the_same_grace() -> None:
 def test_the_lock_token_the_supervisor_takes_is_the_one_stop_yml_releases() -> None:
     written = _task("roles/self_heal/tasks/install.yml", "Write the supervisor's configuration")["vars"][
         "_self_heal_settings"]
-    release = _task("roles/self_heal/tasks/remove.yml", "Release a run lock the supervisor left behind")
+    release = _task("roles/self_heal/tasks/remove_container.yml", "Release a run lock the supervisor left behind")
     assert _render_with_defaults(written["lock_token"]) == \
         _render_with_defaults(release["sparkops.glm53.run_lock"]["token"]) != ""
