@@ -314,9 +314,11 @@ def settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str,
             shown = "not shown, a secret" if entry.get("no_log") else repr(settings[name])
             errors.append(f"{name} must be {allowed} (got {shown})")
     refused = {_subject(message) for message in errors}
-    return errors + [message for message in
-                     [*also, *edge_errors(settings), *router_errors(settings), *ablation_errors(settings)]
-                     if _subject(message) not in refused]
+    # dict.fromkeys: once each, in order (the serve check in `also` applies some of the same rules between settings).
+    return list(dict.fromkeys(errors + [message for message in
+                                        [*also, *edge_errors(settings), *router_errors(settings),
+                                         *ablation_errors(settings)]
+                                        if _subject(message) not in refused]))
 
 
 def ablation_errors(settings: Mapping[str, Any]) -> list[str]:

@@ -209,6 +209,14 @@ def test_an_ablation_method_without_its_input_is_refused(changes: dict[str, Any]
     assert errors_for(**changes) == [expected]
 
 
+def test_preflight_says_a_rule_once_when_the_serve_check_applies_it_too() -> None:
+    # As roles/preflight/vars/main.yml combines them: every setting's own check, with the serve check's errors.
+    changes = {"glm53_ablation_enabled": True}
+    serve = serve_errors_for(**{name.removeprefix("glm53_"): value for name, value in changes.items()})
+    assert len(serve) == 1
+    assert settings_errors({**DEFAULTS, **changes}, SPEC, also=serve) == serve
+
+
 @pytest.mark.parametrize("changes", [
     {"glm53_ablation_enabled": True, "glm53_ablation_direction": "/home/me/direction.pt"},
     {"glm53_ablation_enabled": True, "glm53_ablation_method": "transplant", "glm53_ablation_donor_dir": "/donor"},
