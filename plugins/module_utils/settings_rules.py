@@ -324,11 +324,12 @@ def settings_errors(settings: Mapping[str, Any], spec: Mapping[str, Mapping[str,
 def ablation_errors(settings: Mapping[str, Any]) -> list[str]:
     """What each ablation method needs, refused before any rank stops: without it the overlay refuses to load in
     the new ranks, after the old ones were stopped."""
+    # Defaults come with the settings (the argument spec's); a missing or mistyped switch is settings_errors' own.
     try:
-        enabled = as_bool(settings.get("glm53_ablation_enabled", False))
-    except (TypeError, ValueError):
+        enabled = as_bool(settings.get("glm53_ablation_enabled"))
+    except ValueError:
         return []
-    method = settings.get("glm53_ablation_method", "proj")
+    method = settings.get("glm53_ablation_method")
     needs = {"proj": ("glm53_ablation_direction", "the path on the controller of the direction file"),
              "transplant": ("glm53_ablation_donor_dir", "the path on every node of the donor directory")}
     if not enabled or method not in needs or settings.get(needs[method][0]):
