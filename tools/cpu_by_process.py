@@ -83,7 +83,8 @@ def report(name: str, sums: dict[str, float]) -> str:
     whole = sum(sums.values())
     lines = ["%s: %.1f CPU-min of processes that ended" % (name, whole / 60)]
     for kind, seconds in sorted(sums.items(), key=lambda item: -item[1]):
-        lines.append("  %-80s %6.1f CPU-min %3.0f %%" % (kind, seconds / 60, 100 * seconds / whole))
+        # A window of short processes can sum to 0 ticks.
+        lines.append("  %-80s %6.1f CPU-min %3.0f %%" % (kind, seconds / 60, 100 * seconds / whole if whole else 0))
     return "\n".join(lines)
 
 
