@@ -36,7 +36,7 @@ host:
 
 venv: $(VENV)/.installed .venv-hub/.installed .collections/ansible_collections/sparkops/glm53
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt overlay/pyproject.toml docker/sim/vllm-mp-method/pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-dev.txt overlay/pyproject.toml docker/sim/vllm-cpu-plugins/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
@@ -44,8 +44,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt overlay/pyproject.toml
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python docker/vllm-dist-shim.py >/dev/null
 	$(BIN)/pip install -q --no-deps -e overlay
-	# The engine tier's ranks start like the simulated cluster's (docker/sim/vllm-mp-method).
-	$(BIN)/pip install -q --no-deps -e docker/sim/vllm-mp-method
+	# The engine tier's ranks start and wait like the simulated cluster's (docker/sim/vllm-cpu-plugins).
+	$(BIN)/pip install -q --no-deps -e docker/sim/vllm-cpu-plugins
 	touch $@
 
 .venv-hub/.installed: requirements-hub.txt

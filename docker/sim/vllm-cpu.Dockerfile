@@ -39,10 +39,12 @@ RUN python3 /tmp/vllm-cpu-slim.py
 # makes the same `vllm serve` command line work as in the production image.
 COPY docker/vllm-dist-shim.py /tmp/vllm-dist-shim.py
 RUN python3 /tmp/vllm-dist-shim.py
-# The simulation's plugin that lets VLLM_WORKER_MULTIPROC_METHOD (inventory/sim: fork) choose how the ranks start
-# their engine processes, as on a GPU: vllm-cpu alone forces spawn (docker/sim/vllm-mp-method, docs/simulation.md).
-COPY docker/sim/vllm-mp-method/ /tmp/vllm-mp-method/
-RUN pip install --no-cache-dir --no-deps --no-build-isolation /tmp/vllm-mp-method
+# The simulation's vLLM plugins (docker/sim/vllm-cpu-plugins, docs/simulation.md), each off unless inventory/sim's
+# engine environment names it: VLLM_WORKER_MULTIPROC_METHOD (fork) chooses how the ranks start their engine
+# processes, as on a GPU (vllm-cpu alone forces spawn); GLM53_SIM_SHM_POLL_SECONDS makes the engine processes'
+# shared-memory queues sleep between polls instead of spinning on the two cores the ranks share.
+COPY docker/sim/vllm-cpu-plugins/ /tmp/vllm-cpu-plugins/
+RUN pip install --no-cache-dir --no-deps --no-build-isolation /tmp/vllm-cpu-plugins
 
 FROM ${BASE_IMAGE}
 RUN apt-get update \

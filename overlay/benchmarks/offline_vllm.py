@@ -72,9 +72,10 @@ def cpu_env(tp: int) -> dict[str, str]:
     settings never leak in."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("GLM53_", "VLLM_PLUGINS"))}
     # As the simulated ranks run (inventory/sim): no Dynamo (an Inductor C++ build per rank on the first request at
-    # TP > 1), and the engine processes forked as on a GPU (docker/sim/vllm-mp-method, installed by `make venv`).
+    # TP > 1), the engine processes forked as on a GPU and their queues polled with sleeps instead of spinning
+    # (docker/sim/vllm-cpu-plugins, installed by `make venv`).
     env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "TORCHDYNAMO_DISABLE": "1",
-            "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+            "VLLM_WORKER_MULTIPROC_METHOD": "fork", "GLM53_SIM_SHM_POLL_SECONDS": "0.0005"}
     if tp > 1:
         # vllm-cpu's automatic binding wants a NUMA node per rank; one core per rank works anywhere.
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank % (os.cpu_count() or 1)) for rank in range(tp))

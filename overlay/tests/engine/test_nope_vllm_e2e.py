@@ -64,8 +64,9 @@ def test_without_the_overlay_vllm_dies_in_the_zero_width_rotary(tiny_glm: tuple[
     so this fails for any other failure (a load error, an unsupported-config refusal, a different crash)
     and when vLLM starts serving rope-0 models by itself."""
     _, twin = tiny_glm
-    # The simulation's own plugin alone (docker/sim/vllm-mp-method): the engine starts as in the other runs.
-    bare = generate(twin, env={"VLLM_PLUGINS": "glm53_sim_mp_method", "PYTHONFAULTHANDLER": "1"}, expect_ok=False)
+    # The simulation's own plugins alone (docker/sim/vllm-cpu-plugins): the engine starts as in the other runs.
+    bare = generate(twin, env={"VLLM_PLUGINS": "glm53_sim_mp_method,glm53_sim_shm_wait", "PYTHONFAULTHANDLER": "1"},
+                    expect_ok=False)
     assert not bare.ok, "vLLM served a NoPE model without the overlay: the padding may no longer be needed"
     assert "glm53-nope" not in bare.log
     assert "Fatal Python error: Floating point exception" in bare.log, bare.log[-6000:]
