@@ -57,6 +57,8 @@ def test_vllm_routers_parser_reads_the_command_line_as_meant() -> None:
     assert args.api_key == "group-key"
     # It must not give up on a group that is still loading when it starts.
     assert args.worker_startup_timeout_secs >= 600
+    # A group the health checks call healthy takes requests: no second rotation behind /workers.
+    assert args.disable_circuit_breaker
 
 
 @pytest.mark.parametrize("policy", SPEC["glm53_router_policy"]["choices"])
