@@ -51,9 +51,9 @@ def router_argv(*, bind: str, port: int, workers: Sequence[str], policy: str, he
         # Which groups take requests is the health checks' and the playbooks' business (drain.yml, join.yml,
         # status.yml read it from /workers). vllm-router's circuit breaker (10 failed attempts, retries counted,
         # then 60 s out and 3 good requests to come back) is a second rotation none of them sees: a group back
-        # from a crash stays out of it for a minute after /workers lists it healthy, and a rolling restart that
-        # drains the other group then leaves none, so the router answers 503 (molecule four_nodes, 2026-12-07: one
-        # request of 26, 16 s into the rolling switch that followed a killed group's return).
+        # from a crash can stay out of it after /workers lists it healthy, and a rolling restart that drains the
+        # other group then leaves none, so the router answers 503 (the likely cause of one 503 of 26 requests, 16 s
+        # into four_nodes' rolling switch after a killed group's return, CI 2026-12-07; docs/testing.md, round 28).
         "--disable-circuit-breaker",
     ]
     # The groups' key: the router sends it to every group (clients' keys are the edge's).
