@@ -45,6 +45,9 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt overlay/pyproject.toml
 	$(BIN)/python docker/vllm-dist-shim.py >/dev/null
 	$(BIN)/pip install -q --no-deps -e overlay
 	# The engine tier's ranks start and wait like the simulated cluster's (docker/sim/vllm-cpu-plugins).
+	# A virtualenv made before round 28 holds the plugins under their old name, whose editable finder points at
+	# the removed docker/sim/vllm-mp-method and names the same entry point.
+	$(BIN)/pip uninstall -q -y glm53-sim-mp-method 2>/dev/null
 	$(BIN)/pip install -q --no-deps -e docker/sim/vllm-cpu-plugins
 	touch $@
 
