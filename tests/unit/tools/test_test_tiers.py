@@ -14,7 +14,7 @@ from typing import Dict, List
 REPO = Path(__file__).resolve().parents[3]
 FAKE_MAKE = """#!/bin/bash
 target=${!#}
-echo "$(date +%s.%N) start $target $(chrt -p $$ | awk 'NR == 1 {print $NF}')" >> "$TIERS_EVENTS"
+echo "$(date +%s.%N) start $target $(chrt -p $$ | awk 'NR == 1 {print $NF}') $*" >> "$TIERS_EVENTS"
 # A child that outlives a plain kill of this process: only a kill of the process group ends it.
 sleep 300 &
 child=$!
@@ -77,24 +77,61 @@ def alive(children: Path) -> List[int]:
     return [pid for pid in pids if running(pid)]
 
 
+def start_args(tmp_path: Path, target: str) -> List[str]:
+    """The arguments the stand-in make was started with for TARGET (its flags, then the target)."""
+    return next(line.split()[4:] for line in (tmp_path / "events").read_text().splitlines()
+                if line.split()[1:3] == ["start", target])
+
+
+def test_the_images_build_beside_the_virtualenv_and_the_cluster_is_made_from_them(tmp_path: Path) -> None:
+    done, order, children = run_tiers(tmp_path, {"images": (1.0, 0), "venv": (0.5, 0), "sim-create": (0.3, 0),
+                                                 "check": (3.0, 0)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(started(order)[:2]) == ["images", "venv"]
+    assert at(order, "start", "images") < at(order, "end", "venv")
+    # check needs only the virtualenv; the cluster's making needs both, and does not build the images again.
+    assert at(order, "end", "venv") <= at(order, "start", "check") < at(order, "end", "images")
+    assert at(order, "start", "sim-create") >= at(order, "end", "images")
+    assert start_args(tmp_path, "sim-create") == ["--no-print-directory", "-o", "images", "sim-create"]
+    assert "images " in done.stdout.split("time per tier")[1], done.stdout
+    assert alive(children) == []
+
+
+def test_a_failed_virtualenv_stops_the_images_and_starts_nothing_else(tmp_path: Path) -> None:
+    done, order, children = run_tiers(tmp_path, {"images": (60, 0), "venv": (0.5, 1)})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "failed: venv" in done.stdout and "images stopped" in done.stdout
+    assert sorted(started(order)) == ["images", "venv"] and "images" not in ended(order)
+    assert alive(children) == []
+
+
+def test_failed_images_fail_the_run_after_check_and_the_cluster_is_not_made(tmp_path: Path) -> None:
+    done, order, _children = run_tiers(tmp_path, {"images": (0.3, 1), "check": (1.5, 0)})
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "failed: images sim-create" in done.stdout
+    assert "images failed: sim-create not started" in done.stdout
+    assert sorted(started(order)) == ["check", "images", "venv"] and "check" in ended(order)
+
+
 def test_molecule_default_starts_once_the_cluster_exists_beside_the_rest_of_check(tmp_path: Path) -> None:
     done, order, children = run_tiers(tmp_path, {"sim-create": (0.5, 0), "check": (4.0, 0),
                                                  "molecule-default-created": (0.5, 0)})
     assert done.returncode == 0, done.stdout + done.stderr
-    # sim-create and check start together (in either order), molecule default third.
-    assert sorted(started(order)[:2]) == ["check", "sim-create"] and started(order)[2] == "molecule-default-created"
+    # images beside venv, then sim-create and check (in either order), molecule default after them.
+    assert sorted(started(order)[:2]) == ["images", "venv"]
+    assert sorted(started(order)[2:4]) == ["check", "sim-create"] and started(order)[4] == "molecule-default-created"
     # Beside check, not after it.
     assert at(order, "start", "molecule-default-created") < at(order, "end", "check")
     assert at(order, "start", "molecule-default-created") >= at(order, "end", "sim-create")
     # faults after default, four_nodes after faults; the engine tier beside them, in the idle scheduling class.
-    assert sorted(started(order)[3:]) == ["engine", "molecule-faults", "molecule-four-nodes"]
+    assert sorted(started(order)[5:]) == ["engine", "molecule-faults", "molecule-four-nodes"]
     assert at(order, "start", "molecule-faults") >= at(order, "end", "molecule-default-created")
     assert at(order, "start", "molecule-four-nodes") >= at(order, "end", "molecule-faults")
     assert at(order, "start", "engine") >= at(order, "end", "molecule-default-created")
     policies = {line.split()[2]: line.split()[3] for line in (tmp_path / "events").read_text().splitlines()
                 if line.split()[1] == "start"}
     assert policies.pop("engine") == "SCHED_IDLE" and set(policies.values()) == {"SCHED_OTHER"}, policies
-    for tier in ("check", "sim-create", "molecule-default-created", "molecule-faults", "engine"):
+    for tier in ("venv", "images", "check", "sim-create", "molecule-default-created", "molecule-faults", "engine"):
         assert "%s " % tier in done.stdout.split("time per tier")[1], done.stdout
     assert alive(children) == []
 
@@ -112,10 +149,11 @@ def test_a_failing_check_stops_molecule_default_running_beside_it(tmp_path: Path
 
 
 def test_a_failing_check_stops_the_cluster_being_made(tmp_path: Path) -> None:
-    done, order, children = run_tiers(tmp_path, {"sim-create": (60, 0), "check": (0.5, 2)})
+    # check fails once the cluster's making has begun (it starts within a second of the images' end).
+    done, order, children = run_tiers(tmp_path, {"sim-create": (60, 0), "check": (2.5, 2)})
     assert done.returncode == 2, done.stdout + done.stderr
     assert "sim-create stopped" in done.stdout
-    assert sorted(started(order)) == ["check", "sim-create"]
+    assert sorted(started(order)) == ["check", "images", "sim-create", "venv"]
     assert alive(children) == []
 
 
@@ -123,5 +161,5 @@ def test_a_failed_cluster_fails_the_run_after_check_and_starts_no_scenario(tmp_p
     done, order, _children = run_tiers(tmp_path, {"sim-create": (0.3, 1), "check": (1.0, 0)})
     assert done.returncode == 2, done.stdout + done.stderr
     assert "failed: sim-create" in done.stdout
-    assert sorted(started(order)) == ["check", "sim-create"]
+    assert sorted(started(order)) == ["check", "images", "sim-create", "venv"]
     assert "check" in ended(order)
