@@ -42,7 +42,8 @@ RUN python3 /tmp/vllm-dist-shim.py
 # The simulation's vLLM plugins (docker/sim/vllm-cpu-plugins, docs/simulation.md), each off unless inventory/sim's
 # engine environment names it: VLLM_WORKER_MULTIPROC_METHOD (fork) chooses how the ranks start their engine
 # processes, as on a GPU (vllm-cpu alone forces spawn); GLM53_SIM_SHM_POLL_SECONDS makes the engine processes'
-# shared-memory queues sleep between polls instead of spinning on the two cores the ranks share.
+# shared-memory queues sleep between polls instead of spinning on the two cores the ranks share;
+# GLM53_SIM_WORKER_SIGTERM=exit lets the executor's SIGTERM end a worker blocked in a collective on a rank's stop.
 COPY docker/sim/vllm-cpu-plugins/ /tmp/vllm-cpu-plugins/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation /tmp/vllm-cpu-plugins
 
