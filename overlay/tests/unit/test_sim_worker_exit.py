@@ -63,7 +63,9 @@ def exit_after_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, plugi
     worker.start()
     try:
         assert peer_ready.wait(60) and worker_ready.wait(60), "the gloo group did not form"
-        time.sleep(0.5)  # into the all-reduce
+        # Into the all-reduce: microseconds after the event, but a loaded machine (the check tier keeps both cores busy)
+        # may not run the worker for a while, and a SIGTERM that lands before it would reach vLLM's handler.
+        time.sleep(2)
         os.kill(worker.pid, signal.SIGTERM)  # type: ignore[arg-type]
         worker.join(SIGTERM_GRACE_S)
         return worker.exitcode
